@@ -1,0 +1,305 @@
+"""The sandbox protocol every BPO environment implements, and the replay snapshot fallback.
+
+BPO forks a sandbox at a decision point: ``snapshot()`` captures everything that determines future observations
+and rewards, and ``restore(snapshot, seed)`` turns a sandbox (a fresh one or the same one) into an exact,
+independent copy of that state, with its random number generator re-seeded so that the K children of a fork
+get independent transitions (spec §3.2, assumption A2).
+
+The contract, small on purpose (OpenRLHF's reset/step plus snapshot/restore):
+
+* ``reset(task) -> Observation`` and ``step(action_text) -> StepResult``. ``action_text`` is the model's raw
+  turn; the adapter parses it. Text that does not parse, or an action the engine rejects, is an *observation*
+  saying so (reward 0, not done) — never an exception.
+* ``snapshot() -> Snapshot`` / ``restore(snapshot, seed=None)``. A snapshot is immutable from the outside:
+  restoring from it any number of times, into any sandbox of the same class, never changes it.
+* ``close()`` releases every process, mount and temporary directory the sandbox made.
+* Chat rendering: ``system_prompt()``, ``first_user_message(observation)``, ``render_observation(obs)``.
+
+Engine faults (a crash, a hang past ``step_timeout_s``, a restore that fails) raise a subclass of
+:class:`SandboxError`, which the tree sampler turns into one failed leaf.
+
+Nothing here imports verl.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+__all__ = [
+    "Observation",
+    "StepResult",
+    "SnapshotKind",
+    "Snapshot",
+    "SandboxError",
+    "SandboxCrashed",
+    "SandboxTimeout",
+    "RestoreFailed",
+    "Sandbox",
+    "verify_determinism",
+    "observation_hash",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What the agent sees after a reset or a step.
+
+    Attributes:
+        text: the observation as plain text (timing strings and other nondeterministic noise removed).
+        info: engine-specific extras (admissible commands, score, ...); JSON-able values only.
+    """
+
+    text: str
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """Outcome of one ``step``.
+
+    Attributes:
+        observation: the next observation.
+        reward: the reward of this step (success rewards usually arrive on the final step).
+        done: True when the episode ended (won, lost, or the engine's own step limit).
+        info: extras such as ``{"invalid_action": True}`` or ``{"won": True}``.
+    """
+
+    observation: Observation
+    reward: float
+    done: bool
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class SnapshotKind(str, enum.Enum):
+    """How a snapshot captures state (spec §3.2; costs in research/sandboxes.md)."""
+
+    NATIVE = "native"  # the engine's own get/set state (Jericho VM state, deep copy of in-process state)
+    FILESYSTEM = "filesystem"  # overlayfs layer, in-memory file dict or git tree
+    PROCESS_FORK = "process_fork"  # os.fork of a single-threaded engine worker
+    REPLAY = "replay"  # reset + re-apply the action history: universal, slow, exact for deterministic engines
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """An opaque, immutable capture of a sandbox state.
+
+    Attributes:
+        kind: which mechanism made it.
+        task: the task the sandbox was reset with.
+        actions: the raw action texts applied since reset (kept for every kind: replay is the reference).
+        payload: the mechanism's own data; only the sandbox class that made it reads it.
+        release: optional callback that frees resources held by the payload (a frozen layer, a worker).
+    """
+
+    kind: SnapshotKind
+    task: Mapping[str, Any]
+    actions: tuple[str, ...]
+    payload: Any = None
+    release: Callable[[], None] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def close(self) -> None:
+        """Free what the payload holds; a no-op for snapshots that hold only memory."""
+        if self.release is not None:
+            self.release()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors: each one ends one leaf, never the tree
+
+
+class SandboxError(RuntimeError):
+    """Base class of engine faults. The sampler marks the leaf failed (reward 0) and goes on."""
+
+
+class SandboxCrashed(SandboxError):
+    """The engine raised or its process died while stepping or resetting."""
+
+
+class SandboxTimeout(SandboxError):
+    """A step or reset ran past its time limit; the engine has been stopped."""
+
+
+class RestoreFailed(SandboxError):
+    """``restore`` could not rebuild the snapshot's state."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The protocol
+
+
+class Sandbox(abc.ABC):
+    """Base class of every environment adapter.
+
+    Subclasses implement ``_reset``, ``_apply`` (one parsed action), ``parse_action``, and either override
+    ``_snapshot_payload`` / ``_restore_payload`` for a fast native snapshot or keep the replay fallback.
+    The base class keeps the action history, so replay is always available as the reference.
+
+    Class attributes:
+        name: registry name (``bpo.sandbox.name``).
+        deterministic: True when the same state + the same action always gives the same transition.
+        snapshot_kind: the mechanism ``snapshot()`` uses.
+    """
+
+    name: ClassVar[str] = ""
+    deterministic: ClassVar[bool] = True
+    snapshot_kind: ClassVar[SnapshotKind] = SnapshotKind.REPLAY
+
+    def __init__(self) -> None:
+        self._task: Mapping[str, Any] | None = None
+        self._actions: list[str] = []
+        self._done = False
+
+    # --- engine hooks ---------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _reset(self, task: Mapping[str, Any]) -> Observation:
+        """Start the task from its initial state."""
+
+    @abc.abstractmethod
+    def _apply(self, action: str) -> StepResult:
+        """Apply one parsed action to the engine."""
+
+    @abc.abstractmethod
+    def parse_action(self, text: str) -> str | None:
+        """Extract the action from the model's turn; ``None`` when there is none."""
+
+    def _snapshot_payload(self) -> Any:
+        """Capture engine state for a NATIVE/FILESYSTEM/PROCESS_FORK snapshot. Replay needs none."""
+        return None
+
+    def _restore_payload(self, snapshot: Snapshot) -> None:
+        """Rebuild engine state from ``snapshot.payload``. The default replays the action history."""
+        self._reset(snapshot.task)
+        for text in snapshot.actions:
+            self._step_text(text)
+
+    def reseed(self, seed: int) -> None:
+        """Re-seed the engine's random number generator (stochastic engines override this)."""
+
+    # --- chat rendering -------------------------------------------------------------------------------------
+    def system_prompt(self) -> str:
+        """The system message of the chat: what the agent is and how to format an action."""
+        return "You are an agent acting in a text environment. Answer with one action per turn."
+
+    def first_user_message(self, observation: Observation) -> str:
+        """The first user message: the task instruction and the initial observation."""
+        return observation.text
+
+    def render_observation(self, observation: Observation) -> str:
+        """A later observation as the content of a user message."""
+        return observation.text
+
+    def invalid_action_text(self, text: str) -> str:
+        """Observation returned when ``parse_action`` finds no action in the model's turn."""
+        return "Invalid action: no action found in your reply. Reply with exactly one action."
+
+    # --- the public protocol --------------------------------------------------------------------------------
+    @property
+    def task(self) -> Mapping[str, Any]:
+        if self._task is None:
+            raise RuntimeError(f"{type(self).__name__}: call reset(task) before using the sandbox")
+        return self._task
+
+    @property
+    def actions(self) -> tuple[str, ...]:
+        """Raw action texts applied since the last reset or restore point."""
+        return tuple(self._actions)
+
+    def reset(self, task: Mapping[str, Any]) -> Observation:
+        self._task = dict(task)
+        self._actions = []
+        self._done = False
+        return self._reset(self._task)
+
+    def step(self, action_text: str) -> StepResult:
+        if self._done:
+            raise RuntimeError(f"{type(self).__name__}: step() after the episode ended")
+        result = self._step_text(action_text)
+        self._actions.append(action_text)
+        self._done = result.done
+        return result
+
+    def _step_text(self, action_text: str) -> StepResult:
+        action = self.parse_action(action_text)
+        if action is None:
+            obs = Observation(self.invalid_action_text(action_text))
+            return StepResult(obs, 0.0, False, {"invalid_action": True})
+        return self._apply(action)
+
+    def snapshot(self) -> Snapshot:
+        payload = None if self.snapshot_kind is SnapshotKind.REPLAY else self._snapshot_payload()
+        return Snapshot(self.snapshot_kind, dict(self.task), tuple(self._actions), payload)
+
+    def restore(self, snapshot: Snapshot, seed: int | None = None) -> None:
+        """Make this sandbox an exact, independent copy of ``snapshot``; then re-seed it if ``seed`` is given."""
+        try:
+            self._restore_payload(snapshot)
+        except SandboxError:
+            raise
+        except Exception as exc:  # an engine-specific failure becomes the typed error the sampler handles
+            raise RestoreFailed(f"{type(self).__name__}.restore failed: {exc!r}") from exc
+        self._task = dict(snapshot.task)
+        self._actions = list(snapshot.actions)
+        self._done = False
+        if seed is not None:
+            self.reseed(seed)
+
+    def close(self) -> None:
+        """Release processes, mounts and temporary directories. Safe to call twice."""
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Determinism check: restore vs replay
+
+
+def observation_hash(observation: Observation) -> str:
+    """Stable hash of an observation's text, for comparing transcripts."""
+    return hashlib.sha256(observation.text.encode()).hexdigest()[:16]
+
+
+def verify_determinism(
+    make: Callable[[], Sandbox], task: Mapping[str, Any], prefix: Sequence[str], probe: Sequence[str]
+) -> None:
+    """Check that restore(snapshot) + ``probe`` equals replaying ``prefix + probe`` from reset.
+
+    Raises ``AssertionError`` naming the first step where observation, reward or done differ.
+    Only meaningful for adapters with ``deterministic = True``.
+    """
+    original, replayed = make(), make()
+    try:
+        original.reset(task)
+        for text in prefix:
+            original.step(text)
+        snap = original.snapshot()
+        forked = make()
+        try:
+            forked.restore(snap)
+            replayed.reset(task)
+            for text in prefix:
+                replayed.step(text)
+            for i, text in enumerate(probe):
+                a, b = forked.step(text), replayed.step(text)
+                same = (a.observation.text, a.reward, a.done) == (b.observation.text, b.reward, b.done)
+                assert same, f"step {i} ({text!r}): restore gave {a!r}, replay gave {b!r}"
+                if a.done:
+                    break
+        finally:
+            forked.close()
+            snap.close()
+    finally:
+        original.close()
+        replayed.close()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Make the project's virtual environment from nothing on a fresh CPU machine (Python 3.11).
+#
+#   bash scripts/setup.sh            # venv at ./.venv with the plugin, tests, sandbox engines and plotting
+#   VENV=/path bash scripts/setup.sh # somewhere else
+#
+# Order matters: torch 2.13.0 goes in first (the CPU wheel on disk); anything that depends on torch afterwards
+# sees it satisfied. Never add verl's [vllm]/[sglang]/[fsdp]/[cpu] extras here: they pull a CUDA torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/pip --disable-pip-version-check"
+$PIP install -q --upgrade pip
+$PIP install -q torch==2.13.0
+$PIP install -q -e ".[test,envs,plot]"
+# Registry builds of these are CUDA-only and fail to import next to the CPU torch; nothing we use needs them.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" - <<'PY'
+import torch, verl
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+print(f"torch {torch.__version__}, verl {verl.__version__}, bpo estimator: {get_adv_estimator_fn('bpo').__name__}")
+PY

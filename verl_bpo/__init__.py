@@ -1,0 +1,1 @@
+"""Branching Policy Optimization (BPO) for verl."""
