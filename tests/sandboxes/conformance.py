@@ -1,0 +1,356 @@
+"""Reusable conformance tests for every :class:`sandbox_adapters.base.Sandbox` adapter.
+
+Subclass :class:`SandboxConformance` in a module named ``test_*.py`` with a class named ``Test...`` and fill in the
+hooks; pytest then runs every ``test_*`` method below against the adapter::
+
+    from tests.sandboxes.conformance import SandboxConformance
+
+    class TestMySandbox(SandboxConformance):
+        def make_sandbox(self):
+            return MySandbox(MySandbox.Config())
+
+        def task(self):
+            return {"task_id": 0}
+
+        def prefix_actions(self):
+            return ["go north"]          # reaches a decision point; the episode must not end here
+
+        def probe_actions(self):
+            return ["open door", "go east"]
+
+        def other_action(self):
+            return "go south"            # differs from probe_actions()[0] in its next observation
+
+Hooks that need a running engine may use pytest fixtures: declare an ``autouse`` fixture method in the subclass
+that stores what the hooks need on ``self`` (pytest builds one instance per test).
+
+The checks are the contract of ``sandbox_adapters/base.py``:
+
+* restore + the same actions == replay from reset (observation text, reward, done), into a fresh sandbox;
+* different actions after a restore fork independently (two children, and one sandbox restored twice);
+* restoring never mutates the parent: it continues identically after its children ran;
+* a snapshot survives many restores, and restoring with the same seed twice gives the same continuation;
+* ``close()`` leaves no child process, mount or temporary directory behind;
+* model text without a parseable action is an observation with ``info["invalid_action"]``, never an exception;
+* faults where the adapter can inject them: a step that raises -> ``SandboxCrashed``, a hang past the step timeout
+  -> ``SandboxTimeout``, a corrupted snapshot -> ``RestoreFailed`` (and the sandbox still works afterwards).
+
+Replay-based checks only hold for ``deterministic = True`` adapters; for stochastic ones they are skipped and the
+same-seed check stands in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from sandbox_adapters.base import (
+    RestoreFailed,
+    Sandbox,
+    SandboxCrashed,
+    SandboxTimeout,
+    Snapshot,
+    SnapshotKind,
+    StepResult,
+)
+
+__all__ = ["SandboxConformance", "transcript", "resource_counts"]
+
+
+def transcript(results: Sequence[StepResult]) -> list[tuple[str, float, bool]]:
+    """The comparable part of a run: observation text, reward and done of each step."""
+    return [(r.observation.text, float(r.reward), bool(r.done)) for r in results]
+
+
+def _child_pids() -> set[int]:
+    pids: set[int] = set()
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with contextlib.suppress(OSError), open(path) as f:
+            pids.update(int(p) for p in f.read().split())
+    return pids
+
+
+def resource_counts() -> dict[str, Any]:
+    """What a sandbox may leak: child processes (by pid), mount lines, entries of the temp dir (by name)."""
+    with open("/proc/mounts") as f:
+        mounts = f.read().splitlines()
+    return {
+        "children": _child_pids(),
+        "mounts": len(mounts),
+        "tmp": set(os.listdir(tempfile.gettempdir())),
+    }
+
+
+class SandboxConformance:
+    """Base class of the per-adapter conformance suites; see the module docstring for the hooks."""
+
+    #: How many times ``test_snapshot_survives_many_restores`` restores one snapshot.
+    many_restores: int = 5
+    #: Seconds a step may take in ``test_hang_raises_timeout`` beyond the adapter's own timeout.
+    hang_slack_s: float = 30.0
+
+    # --- hooks every adapter provides -----------------------------------------------------------------------
+    def make_sandbox(self) -> Sandbox:
+        """A new, not yet reset sandbox of the adapter under test."""
+        raise NotImplementedError
+
+    def task(self) -> Mapping[str, Any]:
+        """A task to reset with."""
+        raise NotImplementedError
+
+    def prefix_actions(self) -> Sequence[str]:
+        """Raw model turns that lead from reset to a decision point without ending the episode."""
+        raise NotImplementedError
+
+    def probe_actions(self) -> Sequence[str]:
+        """Turns played after the decision point (at least one; the episode may end on the last)."""
+        raise NotImplementedError
+
+    def other_action(self) -> str:
+        """A turn whose observation after the decision point differs from that of ``probe_actions()[0]``."""
+        raise NotImplementedError
+
+    # --- optional hooks -------------------------------------------------------------------------------------
+    def invalid_texts(self) -> Sequence[str]:
+        """Model turns that contain no parseable action."""
+        return ["", "   \n  ", "I am not sure what to do here."]
+
+    def inject_step_crash(self, sandbox: Sandbox) -> None:
+        """Arrange that the next ``sandbox.step`` fails inside the engine (e.g. monkeypatch it to raise)."""
+        pytest.skip(f"{type(self).__name__} does not inject step crashes")
+
+    def inject_step_hang(self, sandbox: Sandbox) -> None:
+        """Arrange that the next ``sandbox.step`` hangs past the adapter's step timeout (set a short one)."""
+        pytest.skip(f"{type(self).__name__} does not inject step hangs")
+
+    def corrupt_snapshot(self, snapshot: Snapshot) -> Snapshot:
+        """A copy of ``snapshot`` that the adapter cannot restore. The default garbles a non-replay payload."""
+        if snapshot.kind is SnapshotKind.REPLAY:
+            pytest.skip("replay snapshots carry no payload to corrupt; override corrupt_snapshot")
+        return dataclasses.replace(snapshot, payload=b"\x00corrupted payload\x00", release=None)
+
+    # --- helpers --------------------------------------------------------------------------------------------
+    @pytest.fixture(autouse=True)
+    def _close_opened_sandboxes(self) -> Iterator[None]:
+        self._opened: list[Sandbox] = []
+        self._snapshots: list[Snapshot] = []
+        yield
+        for snap in self._snapshots:
+            snap.close()
+        for sandbox in self._opened:
+            sandbox.close()
+
+    def open(self) -> Sandbox:
+        """``make_sandbox()``, closed automatically at the end of the test."""
+        sandbox = self.make_sandbox()
+        self._opened.append(sandbox)
+        return sandbox
+
+    def at_decision_point(self) -> tuple[Sandbox, Snapshot]:
+        """A sandbox that played ``prefix_actions()``, and a snapshot of it."""
+        sandbox = self.open()
+        sandbox.reset(self.task())
+        for text in self.prefix_actions():
+            result = sandbox.step(text)
+            assert not result.done, f"prefix action {text!r} ended the episode; choose a shorter prefix"
+        snap = sandbox.snapshot()
+        self._snapshots.append(snap)
+        return sandbox, snap
+
+    def replay(self, actions: Sequence[str]) -> list[StepResult]:
+        """Results of ``prefix_actions()`` then ``actions`` from a fresh reset; returns those of ``actions``."""
+        sandbox = self.open()
+        sandbox.reset(self.task())
+        for text in self.prefix_actions():
+            sandbox.step(text)
+        return self.play(sandbox, actions)
+
+    @staticmethod
+    def play(sandbox: Sandbox, actions: Sequence[str]) -> list[StepResult]:
+        """Step through ``actions``, stopping early when the episode ends."""
+        results = []
+        for text in actions:
+            results.append(sandbox.step(text))
+            if results[-1].done:
+                break
+        return results
+
+    @staticmethod
+    def require_deterministic(sandbox: Sandbox) -> None:
+        if not sandbox.deterministic:
+            pytest.skip(f"{type(sandbox).__name__} is stochastic; replay equality does not apply")
+
+    # --- the contract ---------------------------------------------------------------------------------------
+    def test_hooks_are_consistent(self) -> None:
+        assert len(self.probe_actions()) >= 1
+        assert self.other_action() != self.probe_actions()[0]
+
+    def test_reset_gives_text_and_prompts(self) -> None:
+        sandbox = self.open()
+        obs = sandbox.reset(self.task())
+        assert isinstance(obs.text, str) and obs.text.strip()
+        assert sandbox.system_prompt().strip()
+        assert sandbox.first_user_message(obs).strip()
+        assert isinstance(sandbox.render_observation(obs), str)
+
+    def test_restore_then_same_actions_equals_replay(self) -> None:
+        parent, snap = self.at_decision_point()
+        self.require_deterministic(parent)
+        child = self.open()  # a fresh sandbox that was never reset
+        child.restore(snap)
+        assert child.actions == tuple(self.prefix_actions())
+        forked = transcript(self.play(child, self.probe_actions()))
+        assert forked == transcript(self.replay(self.probe_actions()))
+
+    def test_different_actions_fork_independently(self) -> None:
+        parent, snap = self.at_decision_point()
+        self.require_deterministic(parent)
+        a, b = self.open(), self.open()
+        a.restore(snap)
+        b.restore(snap)
+        first_a = a.step(self.probe_actions()[0])
+        first_b = b.step(self.other_action())
+        assert first_a.observation.text != first_b.observation.text, "other_action() must lead elsewhere"
+        # b's moves must not have leaked into a: a continues like a replay of the probe actions.
+        rest_a = self.play(a, self.probe_actions()[1:]) if not first_a.done else []
+        assert transcript([first_a, *rest_a]) == transcript(self.replay(self.probe_actions()))
+        assert first_b.observation.text == self.replay([self.other_action()])[0].observation.text
+
+    def test_same_sandbox_restored_twice_forks_independently(self) -> None:
+        parent, snap = self.at_decision_point()
+        self.require_deterministic(parent)
+        child = self.open()
+        child.restore(snap)
+        child.step(self.other_action())
+        child.restore(snap)  # back to the decision point, forgetting the other branch
+        assert child.actions == tuple(self.prefix_actions())
+        assert transcript(self.play(child, self.probe_actions())) == transcript(self.replay(self.probe_actions()))
+
+    def test_restoring_never_mutates_parent(self) -> None:
+        parent, snap = self.at_decision_point()
+        self.require_deterministic(parent)
+        actions_before = snap.actions
+        for action in (self.other_action(), self.probe_actions()[0]):
+            child = self.open()
+            child.restore(snap)
+            self.play(child, [action, *self.probe_actions()])
+        assert snap.actions == actions_before
+        assert parent.actions == tuple(self.prefix_actions())
+        assert transcript(self.play(parent, self.probe_actions())) == transcript(self.replay(self.probe_actions()))
+
+    def test_restore_into_the_parent_itself(self) -> None:
+        parent, snap = self.at_decision_point()
+        self.require_deterministic(parent)
+        self.play(parent, [self.other_action()])
+        parent.restore(snap)
+        assert transcript(self.play(parent, self.probe_actions())) == transcript(self.replay(self.probe_actions()))
+
+    def test_snapshot_survives_many_restores(self) -> None:
+        _, snap = self.at_decision_point()
+        child = self.open()
+        runs = []
+        for i in range(self.many_restores):
+            child.restore(snap, seed=1234)
+            runs.append(transcript(self.play(child, self.probe_actions())))
+            # a different branch between restores must not wear the snapshot down
+            child.restore(snap, seed=i)
+            self.play(child, [self.other_action()])
+        assert all(run == runs[0] for run in runs), runs
+
+    def test_same_seed_same_continuation(self) -> None:
+        _, snap = self.at_decision_point()
+        a, b = self.open(), self.open()
+        a.restore(snap, seed=7)
+        b.restore(snap, seed=7)
+        assert transcript(self.play(a, self.probe_actions())) == transcript(self.play(b, self.probe_actions()))
+
+    def test_close_leaves_nothing_behind(self) -> None:
+        before = resource_counts()
+        sandbox = self.make_sandbox()
+        sandbox.reset(self.task())
+        for text in self.prefix_actions():
+            sandbox.step(text)
+        snap = sandbox.snapshot()
+        child = self.make_sandbox()
+        child.restore(snap)
+        self.play(child, self.probe_actions())
+        snap.close()
+        child.close()
+        sandbox.close()
+        sandbox.close()  # closing twice is allowed
+        # a process may take a moment to be reaped after it was killed
+        deadline = time.monotonic() + 5.0
+        while True:
+            after = resource_counts()
+            leaked_children = after["children"] - before["children"]
+            if not leaked_children or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert not leaked_children, f"child processes left behind: {sorted(leaked_children)}"
+        assert after["mounts"] <= before["mounts"], "mounts left behind"
+        leaked_tmp = after["tmp"] - before["tmp"]
+        assert not leaked_tmp, f"temporary entries left behind: {sorted(leaked_tmp)}"
+
+    def test_invalid_text_is_an_observation(self) -> None:
+        sandbox = self.open()
+        sandbox.reset(self.task())
+        for text in self.invalid_texts():
+            result = sandbox.step(text)
+            assert result.info.get("invalid_action"), f"{text!r} was not flagged invalid: {result!r}"
+            assert result.reward == 0.0
+            assert not result.done
+            assert result.observation.text.strip()
+        # the sandbox still works after invalid turns
+        for text in self.prefix_actions():
+            assert not sandbox.step(text).info.get("invalid_action")
+
+    def test_invalid_text_keeps_replay_exact(self) -> None:
+        sandbox = self.open()
+        self.require_deterministic(sandbox)
+        sandbox.reset(self.task())
+        sandbox.step(self.invalid_texts()[-1])
+        for text in self.prefix_actions():
+            sandbox.step(text)
+        snap = sandbox.snapshot()
+        self._snapshots.append(snap)
+        child = self.open()
+        child.restore(snap)
+        assert transcript(self.play(child, self.probe_actions())) == transcript(
+            self.play(sandbox, self.probe_actions())
+        )
+
+    # --- faults ---------------------------------------------------------------------------------------------
+    def test_step_crash_raises_sandbox_crashed(self) -> None:
+        sandbox, _ = self.at_decision_point()
+        self.inject_step_crash(sandbox)
+        with pytest.raises(SandboxCrashed):
+            sandbox.step(self.probe_actions()[0])
+
+    def test_hang_raises_timeout(self) -> None:
+        sandbox, _ = self.at_decision_point()
+        self.inject_step_hang(sandbox)
+        start = time.monotonic()
+        with pytest.raises(SandboxTimeout):
+            sandbox.step(self.probe_actions()[0])
+        assert time.monotonic() - start < self.hang_slack_s
+
+    def test_corrupt_snapshot_raises_restore_failed(self) -> None:
+        parent, snap = self.at_decision_point()
+        bad = self.corrupt_snapshot(snap)
+        child = self.open()
+        with pytest.raises(RestoreFailed):
+            child.restore(bad)
+        # the sandbox is usable again once restored from a good snapshot
+        child.restore(snap)
+        assert child.actions == tuple(self.prefix_actions())
+        results = self.play(child, self.probe_actions())
+        if parent.deterministic:
+            assert transcript(results) == transcript(self.replay(self.probe_actions()))
