@@ -1,0 +1,395 @@
+"""``SWEBenchSandbox``: a local repository sandbox graded by the real SWE-bench code.
+
+The agent works in a git checkout of the task's repository, seen at ``/testbed``. Each turn is one action:
+
+* a fenced shell block, run once in a fresh confined ``bash`` (no network, host read-only, limits; see
+  ``swe_confine``)::
+
+      ```bash
+      pytest -q tests/
+      ```
+
+* a whole-file write, which avoids quoting trouble (path relative to the current directory)::
+
+      ```write pkg/module.py
+      <the complete new file content>
+      ```
+
+* ``submit`` (alone on a line, or as the only line of a bash block): the episode ends and the change is graded.
+
+Shell state does not persist between turns, except the current directory: a ``cd`` in one turn carries over to
+the next. So the sandbox state is exactly *the directory plus the cwd*, and a snapshot of the directory
+(overlayfs layers or an in-memory file copy, see ``swe_workspace``) is exact. Observations are the command's
+interleaved stdout/stderr with timing strings (``in 0.51s``, ``real 0m0.01s``), memory addresses and clock
+timestamps masked, then the exit status.
+
+Reward: at ``submit``, or when ``Config.max_steps`` actions have been taken, the agent's diff against
+``base_commit`` is graded on a fresh copy of the pristine checkout with SWE-bench's ``make_test_spec`` +
+``get_eval_report`` (``swe_grading``); 1.0 when the instance is resolved, else 0.0.
+
+Task specification: an instance in the SWE-bench 5 schema (``instance_id``, ``repo``, ``version``,
+``base_commit``, ``problem_statement``, ``FAIL_TO_PASS``, ``PASS_TO_PASS``, ``eval_script``, ``log_parser``,
+``eval_type``, ``image``, ...) plus ``repo_path``, a local git checkout that contains ``base_commit`` (or put the
+checkout at ``Config.repos_dir/<instance_id>``). ``swe_tasks`` generates such tasks.
+Official SWE-bench instances work the same way once their repository is checked out locally and their test
+dependencies are importable by ``Config.python_bin_dir``'s interpreter; the Docker images of the official harness
+are not used (no engine is needed, and none is available in CI).
+
+Requirements: Linux, ``bwrap`` (Debian package ``bubblewrap``), util-linux ``prlimit``/``setpriv``, ``git``,
+``pytest`` in the sandbox interpreter, and ``swebench`` (5.x) for grading. overlayfs needs root; otherwise (or
+with ``snapshot_backend="memory"``) snapshots are in-memory copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import posixpath
+import re
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from sandbox_adapters.base import (
+    Observation,
+    Sandbox,
+    SandboxCrashed,
+    Snapshot,
+    SnapshotKind,
+    StepResult,
+)
+from sandbox_adapters.swe_confine import Confinement, ConfinementUnavailable, Limits, bwrap_path
+from sandbox_adapters.swe_grading import extract_patch, grade_patch, swebench_available
+from sandbox_adapters.swe_workspace import (
+    MemoryWorkspace,
+    OverlayWorkspace,
+    Workspace,
+    make_layer,
+    overlay_supported,
+)
+
+__all__ = ["SWEBenchSandbox", "normalise_output", "parse_swe_action"]
+
+MOUNT_POINT = "/testbed"
+
+# bash: start in the saved cwd, report the final cwd through $BPO_CWD_FD whatever way the command exits.
+_COMMAND_WRAPPER = r"""
+cd -- "$1" 2>/dev/null || cd /testbed
+trap 'pwd >&"$BPO_CWD_FD"' EXIT
+eval "$2"
+"""
+
+_WRITE_WRAPPER = r"""
+cd -- "$1" 2>/dev/null || cd /testbed
+mkdir -p -- "$(dirname -- "$2")" && cat > "$2" && echo "Wrote $(wc -c < "$2") bytes to $2."
+"""
+
+_CHECKOUT = r"""
+git -c advice.detachedHead=false checkout -q -f "$1" && git clean -qfdx
+"""
+
+# Nondeterministic fragments of command output, and what replaces them.
+_NOISE: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"\bin \d+(?:\.\d+)?s\b(?: \(\d+:\d\d:\d\d\))?"), "in <T>s"),  # pytest, unittest
+    (re.compile(r"\b(real|user|sys)(\s+)\d+m\d+[.,]\d+s\b"), r"\1\2<T>"),  # bash `time`
+    (re.compile(r"\b\d+(?:\.\d+)? ?(?:ms|µs|us|ns|seconds?|secs?)\b"), "<T>"),
+    (re.compile(r"\b\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?(?: ?[+-]\d{4}|Z)?"), "<timestamp>"),
+    (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "0x<addr>"),  # object reprs (ASLR)
+)
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z]*)[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
+_SUBMIT_LINE = re.compile(r"^\s*submit\s*$", re.IGNORECASE | re.MULTILINE)
+_SHELL_LANGS = frozenset({"", "bash", "sh", "shell", "console"})
+
+
+def normalise_output(text: str) -> str:
+    """``text`` with timing strings, clock timestamps and memory addresses masked (see ``_NOISE``)."""
+    for pattern, replacement in _NOISE:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def parse_swe_action(text: str) -> str | None:
+    """The first action in a model turn, as a JSON list: ``["bash", cmd]``, ``["write", path, content]`` or
+    ``["submit"]``; None when the turn has none. Blocks come first; a bare ``submit`` line counts outside them."""
+    for match in _FENCE.finditer(text):
+        lang, info, body = match.group(1).lower(), match.group(2).strip(), match.group(3)
+        if lang == "write" and info:
+            return json.dumps(["write", info, body])
+        if lang in _SHELL_LANGS and not info and body.strip():
+            if body.strip().lower() == "submit":
+                return json.dumps(["submit"])
+            return json.dumps(["bash", body.rstrip("\n")])
+    if _SUBMIT_LINE.search(_FENCE.sub("", text)):
+        return json.dumps(["submit"])
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Payload:
+    """A SWE snapshot payload: the directory state (layers/file copy) and the small dict beside it."""
+
+    state: Any
+    cwd: str
+    steps: int
+
+    def release(self) -> None:
+        self.state.release()
+
+
+class SWEBenchSandbox(Sandbox):
+    """Local repository sandbox; see the module docstring for actions, state, reward and requirements."""
+
+    @dataclasses.dataclass
+    class Config:
+        """Keys accepted under ``bpo.sandbox.config`` for ``name=swebench``.
+
+        Attributes:
+            repos_dir: directory holding ``<instance_id>/`` checkouts, used when a task has no ``repo_path``
+                (default None: every task must carry ``repo_path``).
+            snapshot_backend: ``"auto"`` (default: overlayfs when a probe mount succeeds, else in-memory),
+                ``"overlay"`` (fail if overlayfs cannot be mounted) or ``"memory"`` (in-memory file copies).
+            max_steps: actions after which the episode ends and is graded as if submitted (default 30; invalid
+                turns count too, so a model that never acts still ends).
+            command_timeout_s: wall-clock limit of one command (default 30.0); a command that runs longer is
+                killed with all its processes and the agent sees a timeout message.
+            grading_timeout_s: wall-clock limit of each grading stage: patch extraction, patch application and
+                the eval script (default 300.0); an eval that runs longer counts as "Tests Timed Out".
+            memory_bytes: address-space limit of each sandboxed process (default 2 GiB).
+            max_processes: process limit of the sandbox uid (default 64; stops fork bombs).
+            max_file_bytes: largest file a sandboxed process may write (default 64 MiB).
+            max_output_chars: characters of command output shown to the agent; the middle of longer output is
+                cut (default 8000).
+            sandbox_uid: unprivileged uid/gid that commands run as when this process is root (default 65534,
+                "nobody"); the workspace is owned by it. Processes of this uid count towards ``max_processes``
+                across all sandboxes running at once.
+            python_bin_dir: directory put first on ``PATH`` inside the sandbox, so ``python``/``pytest`` are those
+                of this interpreter (default: the directory of ``sys.executable``).
+            max_layers: overlay stack depth above which a snapshot flattens the stack (default 24).
+        """
+
+        repos_dir: str | None = None
+        snapshot_backend: str = "auto"
+        max_steps: int = 30
+        command_timeout_s: float = 30.0
+        grading_timeout_s: float = 300.0
+        memory_bytes: int = 2 << 30
+        max_processes: int = 64
+        max_file_bytes: int = 64 << 20
+        max_output_chars: int = 8000
+        sandbox_uid: int = 65534
+        python_bin_dir: str = dataclasses.field(default_factory=lambda: os.path.dirname(sys.executable))
+        max_layers: int = 24
+
+        def __post_init__(self) -> None:
+            if self.snapshot_backend not in ("auto", "overlay", "memory"):
+                raise ValueError(f"swebench: snapshot_backend must be auto|overlay|memory, got {self.snapshot_backend!r}")
+            if self.max_steps < 1 or self.max_output_chars < 100 or self.max_layers < 2:
+                raise ValueError("swebench: max_steps >= 1, max_output_chars >= 100 and max_layers >= 2 required")
+
+    name: ClassVar[str] = "swebench"
+    deterministic: ClassVar[bool] = True
+    snapshot_kind: ClassVar[SnapshotKind] = SnapshotKind.FILESYSTEM
+
+    def __init__(self, config: Config | None = None) -> None:
+        super().__init__()
+        self.config = config or self.Config()
+        if bwrap_path() is None:
+            raise ConfinementUnavailable(
+                "SWEBenchSandbox confines commands with bubblewrap; install it (Debian/Ubuntu: apt-get install "
+                "bubblewrap)"
+            )
+        backend = self.config.snapshot_backend
+        if backend == "auto":
+            backend = "overlay" if overlay_supported() else "memory"
+        elif backend == "overlay" and not overlay_supported():
+            raise RuntimeError("swebench: snapshot_backend='overlay' but this process cannot mount overlayfs "
+                               "(it needs root / CAP_SYS_ADMIN); use 'memory' or 'auto'")
+        self.backend = backend
+        self.uid = self.config.sandbox_uid if os.geteuid() == 0 else None
+        self.limits = Limits(
+            timeout_s=self.config.command_timeout_s,
+            memory_bytes=self.config.memory_bytes,
+            max_processes=self.config.max_processes,
+            max_file_bytes=self.config.max_file_bytes,
+        )
+        self._workspace: Workspace | None = None
+        self._confinement: Confinement | None = None
+        self._cwd = MOUNT_POINT
+        self._steps = 0
+
+    # --- chat rendering -------------------------------------------------------------------------------------
+    def system_prompt(self) -> str:
+        return (
+            "You are a software engineer fixing an issue in a Python repository checked out at /testbed. "
+            "Each reply must contain exactly one action:\n"
+            "- a shell command in a ```bash block (it runs in a fresh shell without network; only `cd` carries "
+            "over to the next turn),\n"
+            "- a complete new file content in a ```write <path> block,\n"
+            "- or the word submit on its own line when the issue is fixed.\n"
+            "Your changes are graded by the repository's tests after you submit."
+        )
+
+    def first_user_message(self, observation: Observation) -> str:
+        return observation.text
+
+    def invalid_action_text(self, text: str) -> str:
+        return ("No action found. Reply with one ```bash block, one ```write <path> block, or `submit` on its "
+                "own line.")
+
+    def parse_action(self, text: str) -> str | None:
+        return parse_swe_action(text)
+
+    # --- engine hooks ---------------------------------------------------------------------------------------
+    def _make_confinement(self, directory: str) -> Confinement:
+        return Confinement(
+            directory,
+            self.limits,
+            uid=self.config.sandbox_uid,
+            mount_point=MOUNT_POINT,
+            path_prefix=[self.config.python_bin_dir],
+            extra_ro_paths=[self.config.python_bin_dir],
+            max_output_bytes=4 * self.config.max_output_chars + 4096,
+        )
+
+    def _ensure_workspace(self) -> Workspace:
+        if self._workspace is None:
+            if self.backend == "overlay":
+                self._workspace = OverlayWorkspace(self.uid, self.config.max_layers)
+            else:
+                self._workspace = MemoryWorkspace(self.uid)
+            self._confinement = self._make_confinement(self._workspace.path)
+        return self._workspace
+
+    def _repo_path(self, task: Mapping[str, Any]) -> str:
+        path = task.get("repo_path")
+        if path is None and self.config.repos_dir is not None:
+            path = os.path.join(self.config.repos_dir, task["instance_id"])
+        if path is None or not os.path.isdir(os.path.join(path, ".git")):
+            raise ValueError(f"swebench: task {task.get('instance_id')!r} has no local git checkout "
+                             f"(repo_path={path!r}); set task['repo_path'] or Config.repos_dir")
+        return path
+
+    def _reset(self, task: Mapping[str, Any]) -> Observation:
+        workspace = self._ensure_workspace()
+        try:
+            origin = make_layer(self._repo_path(task), self.uid).acquire()
+            try:
+                checkout = self._make_confinement(origin.path).run(
+                    _CHECKOUT, [task["base_commit"]], timeout_s=self.config.grading_timeout_s)
+                if checkout.returncode != 0:
+                    raise SandboxCrashed(f"swebench: cannot check out {task['base_commit']}: "
+                                         f"{checkout.output.decode('utf-8', 'replace')[-2000:]}")
+                workspace.load(origin)
+            finally:
+                origin.release()  # the workspace holds its own reference
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise SandboxCrashed(f"swebench: reset failed: {exc!r}") from exc
+        self._cwd = MOUNT_POINT
+        self._steps = 0
+        text = (f"Repository {task['repo']} (instance {task['instance_id']}) is checked out at {MOUNT_POINT}.\n\n"
+                f"Issue:\n{task['problem_statement'].strip()}\n")
+        return Observation(text, {"instance_id": task["instance_id"]})
+
+    def _shorten(self, text: str) -> str:
+        limit = self.config.max_output_chars
+        if len(text) <= limit:
+            return text
+        half = limit // 2
+        return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+
+    def _run_action(self, action: list[str]) -> tuple[str, dict[str, Any]]:
+        assert self._confinement is not None
+        if action[0] == "bash":
+            result = self._confinement.run(_COMMAND_WRAPPER, [self._cwd, action[1]])
+            cwd = result.cwd
+            if cwd and (cwd == MOUNT_POINT or cwd.startswith(MOUNT_POINT + "/")):
+                self._cwd = posixpath.normpath(cwd)
+        else:
+            result = self._confinement.run(_WRITE_WRAPPER, [self._cwd, action[1]], stdin=action[2].encode())
+        output = normalise_output(result.output.decode("utf-8", "replace"))
+        if result.truncated:
+            output += "\n[... output truncated ...]"
+        info: dict[str, Any] = {}
+        if result.timed_out:
+            info["timed_out"] = True
+            status = (f"[command timed out after {self.limits.timeout_s:g}s; it and every process it started were "
+                      "killed]")
+        else:
+            status = f"[exit code {result.returncode}]"
+        return f"{self._shorten(output)}\n{status}".lstrip("\n"), info
+
+    def _grade(self) -> tuple[float, dict[str, Any], str]:
+        if not swebench_available():
+            raise RuntimeError("swebench: grading needs the `swebench` package (pip install swebench==5.0.2, "
+                               "part of the `envs` extra)")
+        assert self._confinement is not None and self._workspace is not None and self._workspace.origin
+        task = self.task
+        patch = extract_patch(self._confinement, task["base_commit"], self.config.grading_timeout_s)
+        graded = grade_patch(task, patch, self._workspace.origin.path, self._make_confinement, self.uid,
+                             self.config.grading_timeout_s)
+        status = graded.report.get("tests_status", {})
+        info = {
+            "resolved": graded.resolved,
+            "patch_applied": bool(graded.report.get("patch_successfully_applied")),
+            "fail_to_pass_failures": len(status.get("FAIL_TO_PASS", {}).get("failure", [])),
+            "pass_to_pass_failures": len(status.get("PASS_TO_PASS", {}).get("failure", [])),
+            "won": graded.resolved,
+        }
+        text = (f"Submitted. The issue is {'resolved' if graded.resolved else 'not resolved'} "
+                f"({info['fail_to_pass_failures']} failing FAIL_TO_PASS test(s), "
+                f"{info['pass_to_pass_failures']} failing PASS_TO_PASS test(s)).")
+        return (1.0 if graded.resolved else 0.0), info, text
+
+    def _apply(self, action: str) -> StepResult:
+        decoded = json.loads(action)
+        self._steps += 1
+        try:
+            if decoded[0] == "submit":
+                reward, info, text = self._grade()
+                return StepResult(Observation(text), reward, True, info)
+            text, info = self._run_action(decoded)
+            if self._steps >= self.config.max_steps:
+                reward, grade_info, grade_text = self._grade()
+                info.update(grade_info, step_limit=True)
+                return StepResult(Observation(f"{text}\n\nStep limit reached. {grade_text}"), reward, True, info)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise SandboxCrashed(f"swebench: the confinement failed: {exc!r}") from exc
+        return StepResult(Observation(text), 0.0, False, info)
+
+    def _step_text(self, action_text: str) -> StepResult:
+        result = super()._step_text(action_text)
+        if result.info.get("invalid_action"):
+            # invalid turns count towards max_steps too, so a model that never acts still ends the episode
+            self._steps += 1
+            if self._steps >= self.config.max_steps:
+                reward, info, text = self._grade()
+                return StepResult(Observation(f"{result.observation.text}\n\nStep limit reached. {text}"), reward,
+                                  True, {**result.info, **info, "step_limit": True})
+        return result
+
+    # --- snapshots ------------------------------------------------------------------------------------------
+    def _snapshot_payload(self) -> _Payload:
+        if self._workspace is None:
+            raise RuntimeError("swebench: snapshot() before reset()")
+        return _Payload(self._workspace.snapshot(), self._cwd, self._steps)
+
+    def snapshot(self) -> Snapshot:
+        snap = super().snapshot()
+        return dataclasses.replace(snap, release=snap.payload.release)
+
+    def _restore_payload(self, snapshot: Snapshot) -> None:
+        payload = snapshot.payload
+        if not isinstance(payload, _Payload):
+            raise TypeError(f"swebench: not a SWEBenchSandbox snapshot payload: {type(payload).__name__}")
+        self._ensure_workspace().restore(payload.state)
+        self._cwd = payload.cwd
+        self._steps = payload.steps
+
+    def close(self) -> None:
+        if self._workspace is not None:
+            self._workspace.close()
+            self._workspace = None
+            self._confinement = None
