@@ -30,7 +30,8 @@ The checks are the contract of ``sandbox_adapters/base.py``:
 * different actions after a restore fork independently (two children, and one sandbox restored twice);
 * restoring never mutates the parent: it continues identically after its children ran;
 * a snapshot survives many restores, and restoring with the same seed twice gives the same continuation;
-* ``close()`` leaves no child process, mount or temporary directory behind;
+* ``close()`` leaves no child process, mount or temporary directory behind (checked in a private temp dir that
+  ``tempfile`` and ``$TMPDIR`` point to during the test, so concurrent processes do not disturb the count);
 * model text without a parseable action is an observation with ``info["invalid_action"]``, never an exception;
 * faults where the adapter can inject them: a step that raises -> ``SandboxCrashed``, a hang past the step timeout
   -> ``SandboxTimeout``, a corrupted snapshot -> ``RestoreFailed`` (and the sandbox still works afterwards).
@@ -45,6 +46,7 @@ import contextlib
 import dataclasses
 import glob
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -78,15 +80,12 @@ def _child_pids() -> set[int]:
     return pids
 
 
-def resource_counts() -> dict[str, Any]:
+def resource_counts(tmp_dir: str | None = None) -> dict[str, Any]:
     """What a sandbox may leak: child processes (by pid), mount lines, entries of the temp dir (by name)."""
+    tmp_dir = tmp_dir or tempfile.gettempdir()
     with open("/proc/mounts") as f:
-        mounts = f.read().splitlines()
-    return {
-        "children": _child_pids(),
-        "mounts": len(mounts),
-        "tmp": set(os.listdir(tempfile.gettempdir())),
-    }
+        mounts = set(f.read().splitlines())
+    return {"children": _child_pids(), "mounts": mounts, "tmp": set(os.listdir(tmp_dir))}
 
 
 class SandboxConformance:
@@ -272,32 +271,40 @@ class SandboxConformance:
         b.restore(snap, seed=7)
         assert transcript(self.play(a, self.probe_actions())) == transcript(self.play(b, self.probe_actions()))
 
-    def test_close_leaves_nothing_behind(self) -> None:
-        before = resource_counts()
-        sandbox = self.make_sandbox()
-        sandbox.reset(self.task())
-        for text in self.prefix_actions():
-            sandbox.step(text)
-        snap = sandbox.snapshot()
-        child = self.make_sandbox()
-        child.restore(snap)
-        self.play(child, self.probe_actions())
-        snap.close()
-        child.close()
-        sandbox.close()
-        sandbox.close()  # closing twice is allowed
-        # a process may take a moment to be reaped after it was killed
-        deadline = time.monotonic() + 5.0
-        while True:
-            after = resource_counts()
-            leaked_children = after["children"] - before["children"]
-            if not leaked_children or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert not leaked_children, f"child processes left behind: {sorted(leaked_children)}"
-        assert after["mounts"] <= before["mounts"], "mounts left behind"
-        leaked_tmp = after["tmp"] - before["tmp"]
-        assert not leaked_tmp, f"temporary entries left behind: {sorted(leaked_tmp)}"
+    def test_close_leaves_nothing_behind(self, monkeypatch) -> None:
+        # Other processes (parallel test runs) create mounts and temp entries too, so the sandbox gets a private
+        # temp dir: whatever it leaves there, or any new mount naming it, is its own leak.
+        private_tmp = tempfile.mkdtemp(prefix="bpo-conformance-")
+        monkeypatch.setattr(tempfile, "tempdir", private_tmp)
+        monkeypatch.setenv("TMPDIR", private_tmp)
+        try:
+            before = resource_counts(private_tmp)
+            sandbox = self.make_sandbox()
+            sandbox.reset(self.task())
+            for text in self.prefix_actions():
+                sandbox.step(text)
+            snap = sandbox.snapshot()
+            child = self.make_sandbox()
+            child.restore(snap)
+            self.play(child, self.probe_actions())
+            snap.close()
+            child.close()
+            sandbox.close()
+            sandbox.close()  # closing twice is allowed
+            # a process may take a moment to be reaped after it was killed
+            deadline = time.monotonic() + 5.0
+            while True:
+                after = resource_counts(private_tmp)
+                leaked_children = after["children"] - before["children"]
+                if not leaked_children or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert not leaked_children, f"child processes left behind: {sorted(leaked_children)}"
+            leaked_mounts = [m for m in after["mounts"] - before["mounts"] if private_tmp in m]
+            assert not leaked_mounts, f"mounts left behind: {leaked_mounts}"
+            assert not after["tmp"], f"temporary entries left behind: {sorted(after['tmp'])}"
+        finally:
+            shutil.rmtree(private_tmp, ignore_errors=True)
 
     def test_invalid_text_is_an_observation(self) -> None:
         sandbox = self.open()

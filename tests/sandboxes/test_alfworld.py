@@ -1,0 +1,235 @@
+"""ALFWorld adapter on the real engine: conformance, SAS snapshot == replay, the six task types, data layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("alfworld", reason="alfworld is not installed (pip install -e .[envs])")
+pytest.importorskip("fast_downward", reason="fast-downward-textworld is not installed (pip install -e .[envs])")
+
+from sandbox_adapters import alfworld as alfworld_adapter  # noqa: E402
+from sandbox_adapters.alfworld import ALFWorldSandbox, game_walkthrough, resolve_games_dir  # noqa: E402
+from sandbox_adapters.alfworld_gen import TASK_TYPES, find_games, generate_games, write_problems  # noqa: E402
+from sandbox_adapters.registry import get_sandbox_cls  # noqa: E402
+from tests.sandboxes.conformance import SandboxConformance, transcript  # noqa: E402
+
+pytestmark = pytest.mark.envs
+
+
+@pytest.fixture(scope="session")
+def alf_root(tmp_path_factory):
+    """Six train games (one per task type) and one valid_seen game, made by the real alfworld-generate (~5 s)."""
+    root = tmp_path_factory.mktemp("alfworld_data")
+    write_problems(root, seeds=[0])
+    write_problems(root, seeds=[1], task_types=TASK_TYPES[:1], split="valid_seen")
+    # in place (save path == data path): the script's y/n confirmation must be answered
+    generate_games(root / "json_2.1.1")
+    return root
+
+
+@pytest.fixture(scope="session")
+def alf_games(alf_root):
+    games = {}
+    for game in find_games(resolve_games_dir(alf_root, "train")):
+        games[json.loads((game.parent / "traj_data.json").read_text())["task_type"]] = str(game)
+    return games
+
+
+class TestALFWorldConformance(SandboxConformance):
+    config = ALFWorldSandbox.Config()
+    many_restores = 4
+
+    @pytest.fixture(autouse=True)
+    def _game(self, alf_games):
+        self.game = alf_games["pick_heat_then_place_in_recep"]
+        self.walkthrough = game_walkthrough(self.game)
+
+    def make_sandbox(self):
+        return ALFWorldSandbox(self.config)
+
+    def task(self):
+        return {"game": self.game}
+
+    def prefix_actions(self):
+        return self.walkthrough[:2]
+
+    def probe_actions(self):
+        return ["look", *self.walkthrough[2:]]
+
+    def other_action(self):
+        return "inventory"
+
+    def inject_step_crash(self, sandbox):
+        def broken(commands):
+            raise RuntimeError("planner library crashed")
+
+        sandbox._engine.step = broken
+
+
+class TestALFWorldReplayConformance(TestALFWorldConformance):
+    config = ALFWorldSandbox.Config(snapshot="replay")
+    many_restores = 2
+
+    def corrupt_snapshot(self, snapshot):
+        return dataclasses.replace(snapshot, task={"game": "/nonexistent/game.tw-pddl"})
+
+
+def _branch_runs(game, prefix, branches, mode):
+    """Each branch from a restored fork of ``prefix``: transcript, then the engine's facts and admissible list."""
+    parent = ALFWorldSandbox(ALFWorldSandbox.Config(snapshot=mode))
+    child = ALFWorldSandbox(ALFWorldSandbox.Config(snapshot=mode))
+    try:
+        parent.reset({"game": game})
+        for action in prefix:
+            parent.step(action)
+        snap = parent.snapshot()
+        runs = []
+        for branch in branches:
+            child.restore(snap)  # the same child, restored again for every branch
+            results = []
+            for action in branch:
+                results.append(child.step(action))
+                if results[-1].done:
+                    break
+            facts = sorted(map(str, child._pddl._pddl_state.facts))
+            runs.append((transcript(results), facts, results[-1].info["admissible_commands"]))
+        return runs
+    finally:
+        parent.close()
+        child.close()
+
+
+@pytest.mark.parametrize("fork_at", [1, 4])
+def test_sas_snapshot_equals_replay(alf_games, fork_at):
+    """The SAS restore touches private TextWorld/fast-downward state; replay from reset is the reference."""
+    game = alf_games["pick_two_obj_and_place"]
+    walkthrough = game_walkthrough(game)
+    with ALFWorldSandbox() as probe:
+        probe.reset({"game": game})
+        admissible = [probe.step(a) for a in walkthrough[:fork_at]][-1].info["admissible_commands"]
+    branches = [[command, *walkthrough[fork_at:]] for command in admissible[:3]] + [walkthrough[fork_at:]]
+    fast = _branch_runs(game, walkthrough[:fork_at], branches, "sas")
+    reference = _branch_runs(game, walkthrough[:fork_at], branches, "replay")
+    assert fast == reference
+    assert fast[-1][0][-1][1:] == (1.0, True), "the walkthrough branch must win"
+    assert len({tuple(run[1]) for run in fast}) > 1, "branches should reach different states"
+
+
+@pytest.mark.parametrize("task_type", TASK_TYPES)
+def test_every_task_type_is_won_by_its_expert_plan(alf_games, task_type):
+    game = alf_games[task_type]
+    with ALFWorldSandbox() as sandbox:
+        obs = sandbox.reset({"game": game})
+        assert "Your task is to:" in obs.text and "Admissible commands:" in obs.text
+        results = [sandbox.step(a) for a in game_walkthrough(game)]
+    assert [r.done for r in results] == [False] * (len(results) - 1) + [True]
+    assert [r.reward for r in results] == [0.0] * (len(results) - 1) + [1.0]
+    assert results[-1].info["won"] is True
+    assert not any(r.info["invalid_action"] for r in results)
+
+
+def test_wrong_commands_are_flagged_and_max_steps_truncates(alf_games):
+    with ALFWorldSandbox(ALFWorldSandbox.Config(max_steps=2)) as sandbox:
+        sandbox.reset({"game": alf_games["pick_and_place_simple"]})
+        first = sandbox.step("fly to the moon")
+        assert first.info["invalid_action"] and first.observation.text.startswith("Nothing happens.")
+        assert (first.reward, first.done) == (0.0, False)
+        second = sandbox.step("look")
+        assert not second.info["invalid_action"]
+        assert second.done and second.info["truncated"] and not second.info["won"]
+
+
+def test_alfworld_data_env_var_and_splits(alf_root, alf_games, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(alf_root))
+    train = ALFWorldSandbox()
+    assert sorted(map(str, train.games())) == sorted(alf_games.values())
+    valid = ALFWorldSandbox(ALFWorldSandbox.Config(split="valid_seen"))
+    assert len(valid.games()) == 1 and "valid_seen" in str(valid.games()[0])
+    only_heat = ALFWorldSandbox(ALFWorldSandbox.Config(task_types=("pick_heat_then_place_in_recep",)))
+    try:
+        obs = only_heat.reset({"task_id": 0})
+        assert "heat" in obs.text.lower() or "hot" in obs.text.lower()
+        with pytest.raises(ValueError, match="out of range"):
+            only_heat.reset({"task_id": 1})
+    finally:
+        only_heat.close()
+    monkeypatch.delenv("ALFWORLD_DATA")
+    with pytest.raises(ValueError, match="ALFWORLD_DATA"):
+        ALFWorldSandbox().games()
+
+
+def test_games_dir_resolution(tmp_path):
+    (tmp_path / "a" / "json_2.1.1" / "train").mkdir(parents=True)
+    (tmp_path / "b" / "valid_unseen").mkdir(parents=True)
+    assert resolve_games_dir(tmp_path / "a", "train") == tmp_path / "a" / "json_2.1.1" / "train"
+    assert resolve_games_dir(tmp_path / "b", "valid_unseen") == tmp_path / "b" / "valid_unseen"
+    assert resolve_games_dir(tmp_path / "b", "train") == tmp_path / "b"  # a flat folder of trials
+    with pytest.raises(FileNotFoundError):
+        resolve_games_dir(tmp_path / "missing", "train")
+
+
+def test_find_games_filters_like_alfworld(alf_root, alf_games, tmp_path):
+    root = tmp_path / "json_2.1.1" / "train"
+    source = alf_games["pick_and_place_simple"]
+    trial = shutil.copytree(str(alf_games["pick_and_place_simple"]).rsplit("/", 1)[0], root / "plain" / "trial_0")
+    shutil.copytree(trial, root / "pick_and_place_with_movable_recep-x" / "trial_0")
+    unsolvable = shutil.copytree(trial, root / "unsolvable" / "trial_0")
+    data = json.loads((unsolvable / "game.tw-pddl").read_text())
+    (unsolvable / "game.tw-pddl").write_text(json.dumps({**data, "solvable": False}))
+    assert find_games(tmp_path) == [trial / "game.tw-pddl"]
+    assert find_games(tmp_path, task_types=("look_at_obj_in_light",)) == []
+    assert (trial / "game.tw-pddl").read_text() == open(source).read()
+
+
+def test_problem_generator_is_deterministic(tmp_path, alf_root):
+    first = write_problems(tmp_path / "one", seeds=[3])
+    second = write_problems(tmp_path / "two", seeds=[3])
+    for a, b in zip(first, second, strict=True):
+        assert (a / "initial_state.pddl").read_bytes() == (b / "initial_state.pddl").read_bytes()
+        assert (a / "traj_data.json").read_bytes() == (b / "traj_data.json").read_bytes()
+    other = write_problems(tmp_path / "three", seeds=[4])
+    assert (first[0] / "initial_state.pddl").read_bytes() != (other[0] / "initial_state.pddl").read_bytes()
+    with pytest.raises(ValueError, match="unknown task type"):
+        write_problems(tmp_path / "bad", seeds=[0], task_types=["juggle"])
+
+
+def test_closed_engines_are_recycled(alf_games):
+    game = alf_games["pick_and_place_simple"]
+    first = ALFWorldSandbox()
+    first.reset({"game": game})
+    engine = first._engine
+    first.close()
+    assert engine in alfworld_adapter._IDLE_ENGINES
+    second = ALFWorldSandbox()
+    try:
+        obs = second.reset({"game": alf_games["look_at_obj_in_light"]})
+        assert second._engine is engine
+        assert "desklamp" in obs.text.split("Your task is to:")[1]
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "action"),
+    [
+        ("go to countertop 1", "go to countertop 1"),
+        ("Think first.\nAction: Take Apple 1 from Countertop 1.", "take apple 1 from countertop 1"),
+        ("<think>hmm</think><action>open fridge 1</action>", "open fridge 1"),
+        ("", None),
+        ("two\nlines", None),
+    ],
+)
+def test_parse_action(text, action):
+    assert ALFWorldSandbox().parse_action(text) == action
+
+
+def test_registry_and_config():
+    assert get_sandbox_cls("alfworld") is ALFWorldSandbox
+    with pytest.raises(ValueError, match="task types"):
+        ALFWorldSandbox.Config(task_types=("juggle",))
+    with pytest.raises(ValueError, match="snapshot"):
+        ALFWorldSandbox.Config(snapshot="fork")
