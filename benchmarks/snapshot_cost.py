@@ -1,0 +1,204 @@
+"""What a fork costs per sandbox adapter, measured side by side in one run.
+
+For every adapter in ``CASES`` whose engine is installed, the script plays a prefix to a decision point and then,
+round-robin in the same loop (so machine noise hits all quantities alike), times:
+
+* ``step``: one step of the probe action right after a restore (restores are untimed there);
+* ``snapshot`` and ``restore``: ``snapshot()`` of the parent, ``restore()`` of a child sandbox;
+* ``replay``: the universal fallback, i.e. ``reset`` + re-applying the prefix in a fresh episode.
+
+and prints a table with the medians, then, as the last stdout line, exactly one JSON object::
+
+    {"<adapter>": {"snap_restore_over_step": <median(snapshot)+median(restore) / median(step)>,
+                   "replay_over_restore": <median(replay) / median(restore)>}, ...}
+
+Targets (research/sandboxes.md): ``snap_restore_over_step`` <= 0.5 for textworld, <= 1 for alfworld.
+
+Adding an adapter: decorate a function ``(work_dir, quick) -> Case`` with ``@case("<name>", requires=(modules))``.
+Adapters whose required modules are missing are skipped with a note on stderr.
+
+Usage: ``python benchmarks/snapshot_cost.py [--quick] [--only smoke,textworld] [--repeats N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(REPO_ROOT))
+
+from sandbox_adapters.base import Sandbox  # noqa: E402
+
+
+@dataclasses.dataclass
+class Case:
+    """One adapter's benchmark set-up.
+
+    Attributes:
+        make: builds a new sandbox (all sandboxes of a case share its configuration).
+        task: the task to reset with.
+        prefix: actions from reset to the decision point (must not end the episode).
+        probe: the action stepped at the decision point (may end the episode).
+        note: what the scene is, for the table.
+    """
+
+    make: Callable[[], Sandbox]
+    task: Mapping[str, Any]
+    prefix: Sequence[str]
+    probe: str
+    note: str = ""
+
+
+CASES: dict[str, tuple[tuple[str, ...], Callable[[Path, bool], Case]]] = {}
+
+
+def case(name: str, requires: tuple[str, ...] = ()):
+    """Register a benchmark set-up under the adapter's registry name."""
+
+    def decorator(fn: Callable[[Path, bool], Case]) -> Callable[[Path, bool], Case]:
+        CASES[name] = (requires, fn)
+        return fn
+
+    return decorator
+
+
+@case("smoke")
+def _smoke(work_dir: Path, quick: bool) -> Case:
+    from sandbox_adapters.smoke import SmokeSandbox
+
+    config = SmokeSandbox.Config(length=8, max_steps=40)
+    task = {"task_id": 4}
+    solution = SmokeSandbox(config).solution(task)
+    return Case(lambda: SmokeSandbox(config), task, solution[:-1], solution[-1], f"corridor of 8, {len(solution)} steps")
+
+
+@case("textworld", requires=("textworld", "jericho"))
+def _textworld(work_dir: Path, quick: bool) -> Case:
+    from sandbox_adapters.textworld import TextWorldSandbox, game_walkthrough, make_games
+
+    # a mid-sized game: a dozen rooms, objects to track, a quest of several steps
+    size = dict(world_size=4, nb_objects=10, quest_length=5) if quick else dict(world_size=10, nb_objects=25, quest_length=8)
+    game = str(make_games(work_dir / "textworld", [7], **size)[0])
+    walkthrough = game_walkthrough(game)
+    return Case(
+        TextWorldSandbox,
+        {"game": game},
+        walkthrough[:-1],
+        walkthrough[-1],
+        f"tw-make {size['world_size']} rooms, {size['nb_objects']} objects, fork at step {len(walkthrough) - 1}",
+    )
+
+
+@case("alfworld", requires=("alfworld", "fast_downward", "textworld"))
+def _alfworld(work_dir: Path, quick: bool) -> Case:
+    from sandbox_adapters.alfworld import ALFWorldSandbox, game_walkthrough
+    from sandbox_adapters.alfworld_gen import generate_games, write_problems
+
+    write_problems(work_dir / "alfworld", seeds=[0], task_types=["pick_two_obj_and_place"])
+    game = str(generate_games(work_dir / "alfworld" / "json_2.1.1")[0])
+    walkthrough = game_walkthrough(game)
+    return Case(
+        ALFWorldSandbox,
+        {"game": game},
+        walkthrough[:-1],
+        walkthrough[-1],
+        f"generated pick_two scene (8 receptacles), fork at step {len(walkthrough) - 1}",
+    )
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(bench: Case, repeats: int) -> dict[str, float]:
+    """Medians (seconds) of step, snapshot, restore and replay, sampled round-robin."""
+    parent, child, replayer = bench.make(), bench.make(), bench.make()
+    try:
+        parent.reset(bench.task)
+        for action in bench.prefix:
+            parent.step(action)
+        snap = parent.snapshot()
+        child.restore(snap)  # warm-up: engines load their game once
+        samples: dict[str, list[float]] = {"step": [], "snapshot": [], "restore": [], "replay": []}
+        for _ in range(repeats):
+            child.restore(snap)
+            samples["step"].append(_timed(lambda: child.step(bench.probe)))
+            extra: list[Any] = []
+            samples["snapshot"].append(_timed(lambda: extra.append(parent.snapshot())))
+            extra[0].close()
+            samples["restore"].append(_timed(lambda: child.restore(snap)))
+
+            def replay() -> None:
+                replayer.reset(bench.task)
+                for action in bench.prefix:
+                    replayer.step(action)
+
+            samples["replay"].append(_timed(replay))
+        snap.close()
+    finally:
+        for sandbox in (parent, child, replayer):
+            sandbox.close()
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small scenes and few repeats (a smoke run)")
+    parser.add_argument("--only", default="", help="comma-separated adapter names (default: all available)")
+    parser.add_argument("--repeats", type=int, default=0, help="samples per quantity (default 7 quick, 25 full)")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (7 if args.quick else 25)
+    names = [n for n in args.only.split(",") if n] or list(CASES)
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        parser.error(f"unknown adapters {unknown}; known: {sorted(CASES)}")
+
+    work_dir = Path(tempfile.mkdtemp(prefix="bpo-snapshot-cost-"))
+    results: dict[str, dict[str, float]] = {}
+    rows = []
+    try:
+        for name in names:
+            requires, build = CASES[name]
+            missing = [m for m in requires if importlib.util.find_spec(m) is None]
+            if missing:
+                print(f"skipping {name}: {', '.join(missing)} not installed", file=sys.stderr)
+                continue
+            bench = build(work_dir, args.quick)
+            med = measure(bench, repeats)
+            snap_restore = med["snapshot"] + med["restore"]
+            results[name] = {
+                "snap_restore_over_step": round(snap_restore / med["step"], 4),
+                "replay_over_restore": round(med["replay"] / med["restore"], 2),
+            }
+            rows.append((name, med, results[name], bench.note))
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+    print(f"{'adapter':<11}{'step ms':>10}{'snap ms':>10}{'restore ms':>12}{'replay ms':>11}"
+          f"{'(s+r)/step':>12}{'replay/restore':>16}  scene")  # fmt: skip
+    for name, med, ratio, note in rows:
+        print(
+            f"{name:<11}{med['step'] * 1e3:>10.3f}{med['snapshot'] * 1e3:>10.3f}{med['restore'] * 1e3:>12.3f}"
+            f"{med['replay'] * 1e3:>11.2f}{ratio['snap_restore_over_step']:>12.3f}{ratio['replay_over_restore']:>16.1f}"
+            f"  {note}"
+        )
+    print(json.dumps(results, sort_keys=True))
+    return results
+
+
+if __name__ == "__main__":
+    main()
