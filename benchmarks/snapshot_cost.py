@@ -118,6 +118,47 @@ def _alfworld(work_dir: Path, quick: bool) -> Case:
     )
 
 
+def _swebench_case(work_dir: Path, backend: str) -> Case:
+    from sandbox_adapters.swe_tasks import generate_tasks
+    from sandbox_adapters.swebench import SWEBenchSandbox
+
+    out = work_dir / f"swebench-{backend}"
+    task = generate_tasks(str(out), num=1)[0]
+    task["repo_path"] = str(out / "repos" / task["instance_id"])
+    config = SWEBenchSandbox.Config(snapshot_backend=backend)
+    # a typical agent step at a fork: edit the code, then run the tests
+    probe = "```bash\nsed -i 's/len(values) - size)/len(values) - size + 1)/' pkg0/windows.py && python -m pytest -q\n```"
+    prefix = ["```bash\ngrep -rn 'def ' pkg0\n```", "```bash\necho '# notes' >> README.md\n```"]
+    return Case(lambda: SWEBenchSandbox(config), task, prefix, probe,
+                f"generated repo + .git, {backend} snapshots; probe = sed edit + pytest")
+
+
+@case("swebench", requires=("swebench",))
+def _swebench(work_dir: Path, quick: bool) -> Case:
+    from sandbox_adapters.swe_workspace import overlay_supported
+
+    return _swebench_case(work_dir, "overlay" if overlay_supported() else "memory")
+
+
+@case("swebench-memory", requires=("swebench",))
+def _swebench_memory(work_dir: Path, quick: bool) -> Case:
+    return _swebench_case(work_dir, "memory")
+
+
+@case("webshop")
+def _webshop(work_dir: Path, quick: bool) -> Case:
+    from sandbox_adapters.webshop import WebShopSandbox
+    from sandbox_adapters.webshop_data import generate_catalogue
+
+    generate_catalogue(str(work_dir / "webshop"), num=30)
+    config = WebShopSandbox.Config(engine="fake", data_dir=str(work_dir / "webshop"))
+    goal = WebShopSandbox(config)._env.server.goals[0]
+    query = goal["instruction_text"].split(",")[0].removeprefix("i am looking for ")
+    prefix = [f"search[{query}]", f"click[{goal['asin']}]", f"click[{goal['goal_options'][0]}]"]
+    return Case(lambda: WebShopSandbox(config), {"goal_index": 0}, prefix, f"click[{goal['goal_options'][1]}]",
+                "FAKE engine (webshop_fake), 30 products; the real web_agent_site needs a user checkout")
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()

@@ -20,8 +20,9 @@ is an observation saying so, and the engine is not stepped. Reward: the engine's
 
 State and snapshot (NATIVE): everything lives in the process — ``server.user_sessions[session]`` (goal, keywords,
 page, asin, options, action counts, done), the browser's ``current_url`` and ``page_source``, and the env's
-``instruction_text``/``prev_obs``/``prev_actions``. A snapshot deep-copies them; a restore writes copies back under
-this sandbox's own session id and rebuilds the clickables from the page. Sandboxes of one configuration share
+``instruction_text``/``prev_obs``/``prev_actions``. A snapshot deep-copies the session (the goal it points to is
+the server's shared, read-only goal object, as in the engine) and keeps the immutable strings; a restore writes a
+fresh copy back under this sandbox's own session id (the clickables are rebuilt from the page by the next step). Sandboxes of one configuration share
 one engine server per process (loading products and the index is the expensive part), each with its own session.
 
 Task specification: ``{"goal_index": <int>}``, an index into the engine's goal list (``session_int`` in WebShop).
@@ -55,6 +56,7 @@ __all__ = ["WebShopSandbox", "WebShopUnavailable", "parse_webshop_action"]
 
 _ACTION = re.compile(r"\b(search|click)\[([^\[\]\n]+)\]", re.IGNORECASE)
 _SERVERS: dict[tuple, Any] = {}
+_ATOMS = (str, int, float, bool, type(None))
 _SERVERS_LOCK = threading.Lock()
 
 
@@ -245,18 +247,38 @@ class WebShopSandbox(Sandbox):
         return self._apply(action)
 
     # --- snapshots ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _copy_session(session: dict[str, Any]) -> dict[str, Any]:
+        """An independent copy of a session dict, made in microseconds (this is most of a snapshot's cost).
+
+        The goal is the server's own shared object, never written by the engine, so it is shared as in the engine;
+        flat containers of immutable values (keywords, asins, options, action counts) are copied one level deep
+        (``.copy()`` keeps the ``defaultdict``); anything else is deep-copied.
+        """
+        out: dict[str, Any] = {}
+        for key, value in session.items():
+            if key == "goal" or isinstance(value, _ATOMS):
+                out[key] = value
+            elif isinstance(value, (list, set, dict)) and all(
+                    isinstance(v, _ATOMS) for v in (value.values() if isinstance(value, dict) else value)):
+                out[key] = value.copy()
+            else:
+                out[key] = copy.deepcopy(value)
+        return out
+
     def _snapshot_payload(self) -> dict[str, Any]:
         env = self._env
-        return copy.deepcopy({
+        # strings are immutable and the histories are copied into tuples, so only the session needs a deep copy
+        return {
             "session_id": env.session,
-            "session": env.server.user_sessions[env.session],
+            "session": self._copy_session(env.server.user_sessions[env.session]),
             "url": env.browser.current_url,
             "page": env.browser.page_source,
             "instruction_text": env.instruction_text,
-            "prev_obs": env.prev_obs,
-            "prev_actions": env.prev_actions,
+            "prev_obs": tuple(env.prev_obs),
+            "prev_actions": tuple(env.prev_actions),
             "steps": self._steps,
-        })
+        }
 
     def snapshot(self) -> Snapshot:
         if self._task is None:
@@ -272,15 +294,14 @@ class WebShopSandbox(Sandbox):
         old = payload["session_id"]
         own = env.session_prefix + old.split("-", 1)[1]  # same goal, this sandbox's prefix
         env.session = own
-        env.server.user_sessions[own] = copy.deepcopy(payload["session"])
+        env.server.user_sessions[own] = self._copy_session(payload["session"])
         env.browser.session_id = own
         env.browser.current_url = payload["url"].replace(old, own)
         env.browser.page_source = payload["page"].replace(old, own)
         env.instruction_text = payload["instruction_text"]
         env.prev_obs = list(payload["prev_obs"])
         env.prev_actions = list(payload["prev_actions"])
-        env.text_to_clickable = None
-        env.get_available_actions()
+        env.text_to_clickable = None  # every step rebuilds it from the page
         self._steps = payload["steps"]
 
     def close(self) -> None:

@@ -193,6 +193,8 @@ def test_snapshot_is_a_deep_copy(data_dir):
         sandbox.step(f"click[{goal['goal_options'][0]}]")
         assert sandbox._env.server.user_sessions[sandbox._env.session]["options"]
         assert snap.payload["session"]["options"] == {}  # the parent's later clicks did not reach the snapshot
+        assert snap.payload["session"]["actions"]["options"] == 0
+        assert snap.payload["session"]["goal"] is sandbox._env.server.goals[0]  # shared, as in the engine
         sandbox.restore(snap)
         assert sandbox._env.server.user_sessions[sandbox._env.session]["options"] == {}
         assert snap.payload["session_id"] in snap.payload["url"]
