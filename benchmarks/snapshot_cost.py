@@ -81,7 +81,8 @@ def _smoke(work_dir: Path, quick: bool) -> Case:
     config = SmokeSandbox.Config(length=8, max_steps=40)
     task = {"task_id": 4}
     solution = SmokeSandbox(config).solution(task)
-    return Case(lambda: SmokeSandbox(config), task, solution[:-1], solution[-1], f"corridor of 8, {len(solution)} steps")
+    note = f"corridor of 8, {len(solution)} steps"
+    return Case(lambda: SmokeSandbox(config), task, solution[:-1], solution[-1], note)
 
 
 @case("textworld", requires=("textworld", "jericho"))
@@ -89,7 +90,9 @@ def _textworld(work_dir: Path, quick: bool) -> Case:
     from sandbox_adapters.textworld import TextWorldSandbox, game_walkthrough, make_games
 
     # a mid-sized game: a dozen rooms, objects to track, a quest of several steps
-    size = dict(world_size=4, nb_objects=10, quest_length=5) if quick else dict(world_size=10, nb_objects=25, quest_length=8)
+    size = dict(world_size=4, nb_objects=10, quest_length=5)
+    if not quick:
+        size = dict(world_size=10, nb_objects=25, quest_length=8)
     game = str(make_games(work_dir / "textworld", [7], **size)[0])
     walkthrough = game_walkthrough(game)
     return Case(

@@ -194,7 +194,10 @@ def write_problems(
 
 # alfworld-generate picks templated goal sentences with the global `random`; seeding it first makes the game files
 # reproducible. The script itself runs unmodified.
-_RUN_GENERATE = "import random, runpy, sys; random.seed(0); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+_RUN_GENERATE = (
+    "import random, runpy, sys; random.seed(0); sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def generate_games(data_path: str | os.PathLike, save_path: str | os.PathLike | None = None) -> list[Path]:

@@ -206,7 +206,9 @@ class TextWorldSandbox(Sandbox):
                 raise ValueError("textworld: {'task_id': i} tasks need Config.games_dir")
             games = sorted(games_dir.glob("*.z8"))
             if not 0 <= int(task["task_id"]) < len(games):
-                raise ValueError(f"textworld: task_id {task['task_id']} out of range, {len(games)} games in {games_dir}")
+                raise ValueError(
+                    f"textworld: task_id {task['task_id']} out of range, {len(games)} games in {games_dir}"
+                )
             path = games[int(task["task_id"])]
         else:
             raise ValueError(f"textworld: a task needs 'game' or 'task_id', got {dict(task)}")
