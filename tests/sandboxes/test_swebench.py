@@ -228,7 +228,7 @@ def test_fork_bomb_is_contained(tasks):
     with _sandbox(command_timeout_s=3.0, max_processes=32) as sandbox:
         sandbox.reset(tasks[0])
         start = time.monotonic()
-        result = sandbox.step(bash(":(){ :|:& };:"))
+        result = sandbox.step(bash(":(){ :|:& };:; sleep 2"))  # the sleep keeps the bomb running a while
         assert time.monotonic() - start < 15
         text = result.observation.text
         assert "Resource temporarily unavailable" in text or result.info.get("timed_out"), text
