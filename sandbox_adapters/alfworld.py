@@ -134,7 +134,8 @@ class ALFWorldSandbox(Sandbox):
             data_dir: root of the games (default None: ``$ALFWORLD_DATA``); see ``resolve_games_dir``.
             split: ``train``, ``valid_seen`` or ``valid_unseen`` (default ``train``) for ``{"task_id": i}`` tasks.
             task_types: ALFWorld task types kept for ``{"task_id": i}`` (default: all six).
-            max_steps: actions after which the episode ends unwon (default 50, ALFWorld's usual budget).
+            max_steps: turns after which the episode ends unwon, turns without a parseable command included
+                (default 50, ALFWorld's usual budget).
             show_admissible: list the admissible commands in every observation (default True).
             snapshot: ``"sas"`` (reload the translated task + re-apply operators; default) or ``"replay"``.
         """
@@ -247,6 +248,17 @@ class ALFWorldSandbox(Sandbox):
         if not candidate or len(candidate) > _MAX_COMMAND_CHARS:
             return None
         return candidate
+
+    def _step_text(self, action_text: str) -> StepResult:
+        if self.parse_action(action_text) is not None:
+            return super()._step_text(action_text)
+        # a turn without a command counts towards max_steps too, so a model that never acts still ends
+        result = super()._step_text(action_text)
+        self._steps += 1
+        if self._steps < self.config.max_steps:
+            return result
+        info = {**result.info, "won": False, "truncated": True}
+        return StepResult(Observation(result.observation.text, info), 0.0, True, info)
 
     def _apply(self, action: str) -> StepResult:
         invalid = action not in self._admissible

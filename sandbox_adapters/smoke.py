@@ -58,7 +58,8 @@ class SmokeSandbox(Sandbox):
         Attributes:
             length: number of rooms in the corridor (default 4; at least 2).
             num_tasks: how many task ids exist (default 8); task ``i`` has its own key, door and start rooms.
-            max_steps: actions (invalid turns excluded) after which the episode ends unwon (default 12).
+            max_steps: turns after which the episode ends unwon (default 12); turns without a valid action count
+                too, so a model that never acts still ends its episode.
             slip_prob: probability that a move leaves the agent where it was (default 0.0 = deterministic).
             seed: seed of the slip random number generator at reset (default 0; only used when ``slip_prob > 0``).
         """
@@ -126,6 +127,16 @@ class SmokeSandbox(Sandbox):
         candidate = " ".join(candidate.lower().strip().strip(".!`'\"").split())
         candidate = _ALIASES.get(candidate, candidate)
         return candidate if candidate in ACTIONS else None
+
+    def _step_text(self, action_text: str) -> StepResult:
+        result = super()._step_text(action_text)
+        if not result.info.get("invalid_action"):
+            return result
+        self._state.steps += 1
+        if self._state.steps < self.config.max_steps:
+            return result
+        info = {**result.info, **self._info(), "won": False}
+        return StepResult(Observation(f"{result.observation.text}\nYou ran out of steps.", info), 0.0, True, info)
 
     def _apply(self, action: str) -> StepResult:
         try:

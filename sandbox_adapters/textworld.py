@@ -154,7 +154,8 @@ class TextWorldSandbox(Sandbox):
         Attributes:
             games_dir: directory of ``.z8`` games (with their ``.json``) for ``{"task_id": i}`` tasks and for
                 relative ``{"game": ...}`` paths (default None: tasks must give absolute paths).
-            max_steps: actions after which the episode ends unwon (default 50).
+            max_steps: turns after which the episode ends unwon, turns without a parseable command included
+                (default 50).
             show_admissible: list the admissible commands in every observation (default True; small models need
                 them to act at all).
             normalize_reward: divide score changes by the game's maximum score so a won game sums to 1.0
@@ -220,18 +221,27 @@ class TextWorldSandbox(Sandbox):
         """Start the engine on ``game_path`` unless it already runs that game."""
         if self._env is not None and self._game_path == game_path:
             return
-        import jericho
         import textworld
 
         self._close_env()
         infos = textworld.EnvInfos(
             admissible_commands=True, score=True, max_score=True, won=True, lost=True, objective=True
         )
-        with warnings.catch_warnings():
-            # TextWorld games are "not fully supported" by Jericho; we read score and won from TextWorld instead
-            warnings.simplefilter("ignore", jericho.UnsupportedGameWarning)
-            self._env = textworld.start(game_path, request_infos=infos)
+        self._env = self._quiet(lambda: textworld.start(game_path, request_infos=infos))
         self._game_path = game_path
+
+    @staticmethod
+    def _quiet(load: Any) -> Any:
+        """Run ``load()`` (which loads a story file) without Jericho's unsupported-game warning.
+
+        TextWorld games are "not fully supported" by Jericho, which only disables Jericho's own score detection;
+        score and won come from TextWorld's tracking instead.
+        """
+        import jericho
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jericho.UnsupportedGameWarning)
+            return load()
 
     def _wrappers(self) -> list[Any]:
         """The wrapper chain from the outside in, ending with the JerichoEnv."""
@@ -273,6 +283,17 @@ class TextWorldSandbox(Sandbox):
         if not candidate or len(candidate) > _MAX_COMMAND_CHARS:
             return None
         return candidate
+
+    def _step_text(self, action_text: str) -> StepResult:
+        if self.parse_action(action_text) is not None:
+            return super()._step_text(action_text)
+        # a turn without a command counts towards max_steps too, so a model that never acts still ends
+        result = super()._step_text(action_text)
+        self._steps += 1
+        if self._steps < self.config.max_steps:
+            return result
+        info = {**result.info, "won": False, "truncated": True}
+        return StepResult(Observation(result.observation.text, info), 0.0, True, info)
 
     def _apply(self, action: str) -> StepResult:
         admissible = self._env.state.get("admissible_commands") or []
@@ -320,7 +341,7 @@ class TextWorldSandbox(Sandbox):
     def _snapshot_payload(self) -> Any:
         counters = (self._game_path, self._steps, self._score, self._max_score)
         if self.config.snapshot == "copy":
-            return ("copy", counters, self._env.copy())
+            return ("copy", counters, self._quiet(self._env.copy))
         layers = [
             {name: _copy_tracked(name, layer.__dict__[name]) for name in _TRACKED_ATTRS if name in layer.__dict__}
             for layer in self._wrappers()
@@ -337,7 +358,7 @@ class TextWorldSandbox(Sandbox):
         mode, (game_path, steps, score, max_score), data = payload
         if mode == "copy":
             self._close_env()
-            self._env = data.copy()  # the snapshot keeps its own copy untouched
+            self._env = self._quiet(data.copy)  # the snapshot keeps its own copy untouched
             self._game_path = game_path
         else:
             vm_state, layers = data

@@ -141,6 +141,11 @@ def test_wrong_commands_are_flagged_and_max_steps_truncates(alf_games):
         second = sandbox.step("look")
         assert not second.info["invalid_action"]
         assert second.done and second.info["truncated"] and not second.info["won"]
+    with ALFWorldSandbox(ALFWorldSandbox.Config(max_steps=2)) as sandbox:
+        sandbox.reset({"game": alf_games["pick_and_place_simple"]})
+        assert not sandbox.step("").done  # a turn without a command counts as a step too
+        last = sandbox.step("no command\nhere")
+        assert last.done and last.info["truncated"] and last.info["invalid_action"] and last.reward == 0.0
 
 
 def test_alfworld_data_env_var_and_splits(alf_root, alf_games, monkeypatch):

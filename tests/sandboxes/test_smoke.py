@@ -73,6 +73,16 @@ def test_wrong_order_is_not_rewarded_and_max_steps_ends_episode():
         sandbox.step("look")
 
 
+def test_turns_without_an_action_count_towards_max_steps():
+    sandbox = SmokeSandbox(SmokeSandbox.Config(max_steps=2))
+    sandbox.reset({"task_id": 0})
+    first = sandbox.step("fly")
+    assert first.info["invalid_action"] and not first.done
+    second = sandbox.step("dance")
+    assert second.done and second.reward == 0.0 and not second.info["won"]
+    assert "ran out of steps" in second.observation.text
+
+
 def test_door_needs_the_key():
     sandbox = SmokeSandbox()
     sandbox.reset({"task_id": 2})  # key and start in room 2, door in room 4

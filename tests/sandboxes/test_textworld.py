@@ -133,6 +133,11 @@ def test_unknown_command_is_flagged_and_max_steps_truncates(tw_games):
         second = sandbox.step("look")
         assert not second.info["invalid_action"]
         assert second.done and second.info["truncated"] and not second.info["won"]
+    with TextWorldSandbox(TextWorldSandbox.Config(max_steps=2)) as sandbox:
+        sandbox.reset({"game": str(tw_games[0])})
+        assert not sandbox.step("").done  # a turn without a command counts as a step too
+        last = sandbox.step("no command\nhere")
+        assert last.done and last.info["truncated"] and last.info["invalid_action"] and last.reward == 0.0
 
 
 def test_games_are_reproducible_and_task_ids_resolve(tw_games, tmp_path):
