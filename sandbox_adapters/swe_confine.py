@@ -4,9 +4,10 @@ Every command the agent sends (and every git or grading step that reads agent-wr
 
     bwrap <new root> -- prlimit <limits> -- setpriv <drop to an unprivileged uid> -- bash -c <script>
 
-* **bubblewrap** (Debian package ``bubblewrap``) builds a new root from read-only binds of the host's top-level
-  directories, fresh ``/proc``, ``/dev`` and an empty ``/tmp`` tmpfs, and binds exactly one writable directory, the
-  workspace, at a fixed path (``/testbed`` as in SWE-bench images). It unshares the network (only a down loopback
+* **bubblewrap** (Debian package ``bubblewrap``) builds a new root from read-only binds of the host's system
+  directories (``SYSTEM_DIRS``) and the interpreter's directories only, fresh ``/proc``, ``/dev`` and an empty
+  ``/tmp`` tmpfs, and binds exactly one writable directory, the workspace, at a fixed path (``/testbed`` as in
+  SWE-bench images). The rest of the host, task data included, is not visible. It unshares the network (only a down loopback
   exists), the pid namespace (killing bubblewrap kills every process the command started, including daemons) and
   IPC/UTS. A write anywhere but the workspace or the throw-away ``/tmp`` fails with "Read-only file system".
 * **prlimit** (util-linux) sets address space, process count, file size and open-file limits. It is used rather
@@ -17,8 +18,9 @@ Every command the agent sends (and every git or grading step that reads agent-wr
   processes (a kernel property of ``RLIMIT_NPROC``).
 * A wall-clock timeout kills bubblewrap's process group; the pid namespace takes every descendant down with it.
 
-Directories of the Python interpreter that sit under a directory other users cannot enter (pyenv under a 0700
-``/root``) are re-exposed read-only, so the unprivileged uid can run the same ``python``/``pytest`` as the host.
+The Python interpreter's directories (``sys.prefix``, ``sys.base_prefix``) are made visible, also when they sit
+under a directory other users cannot enter (pyenv under a 0700 ``/root``), so the unprivileged uid can run the
+same ``python``/``pytest`` as the host.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = ["Limits", "RunResult", "Confinement", "ConfinementUnavailable", "chown_tree", "deterministic_env", "bwrap_path"]
 
-#: Host top-level entries that the new root does not bind (it mounts fresh ones or leaves them out).
-_SKIPPED_TOP_LEVEL = frozenset({"proc", "dev", "tmp"})
+#: Host top-level directories every command sees, read-only: programs, libraries and system configuration.
+#: Everything else (home directories, /work, /srv, /opt, /var, ...) is invisible unless named in ``ro_paths``, so
+#: an agent cannot read the task data (gold patches, hidden tests) or anything else of the host.
+SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc")
 
 
 class ConfinementUnavailable(RuntimeError):
@@ -125,36 +129,35 @@ def deterministic_env(path_prefix: Sequence[str] = ()) -> dict[str, str]:
     }
 
 
-def _hidden_ancestor(path: str) -> str | None:
-    """The highest ancestor of ``path`` that other users cannot traverse (no o+x), or None."""
-    current = "/"
-    for part in [p for p in path.split("/") if p]:
-        current = os.path.join(current, part)
-        try:
-            mode = os.stat(current).st_mode
-        except OSError:
-            return None
-        if not mode & 0o001:
-            return current
-    return None
+def _root_args(ro_paths: Iterable[str]) -> list[str]:
+    """bwrap arguments that build the visible host: ``SYSTEM_DIRS`` plus each of ``ro_paths``, all read-only.
 
-
-def _expose_args(paths: Iterable[str]) -> list[str]:
-    """bwrap arguments that make each path readable by any uid even below a 0700 directory."""
+    The directories on the way to a path are created in the new root, world-traversable (bwrap would make them
+    0700), so the unprivileged uid reaches the path even where the host's ancestor is private (pyenv under a 0700
+    ``/root``) while nothing else of that ancestor is visible.
+    """
     args: list[str] = []
-    masked: set[str] = set()
-    for path in sorted({os.path.realpath(p) for p in paths}):
-        hidden = _hidden_ancestor(path)
-        if hidden is None:
-            continue
-        if hidden not in masked:
-            # replace the private directory by an empty, traversable tmpfs, then bind back only what is needed
-            args += ["--perms", "0755", "--tmpfs", hidden]
-            masked.add(hidden)
-        parts = os.path.relpath(path, hidden).split("/")
+    visible: list[str] = []
+    for entry in SYSTEM_DIRS:
+        path = "/" + entry
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+            visible.append(path)
+    bound: list[str] = []
+    made: set[str] = set()
+    for path in sorted({os.path.realpath(p) for p in ro_paths if os.path.exists(p)}):
+        if any(path == b or path.startswith(b + "/") for b in (*visible, *bound)):
+            continue  # already visible (the system dirs keep the host's permissions)
+        parts = path.strip("/").split("/")
         for i in range(1, len(parts)):
-            args += ["--perms", "0755", "--dir", os.path.join(hidden, *parts[:i])]
+            directory = "/" + "/".join(parts[:i])
+            if directory not in made:
+                args += ["--perms", "0755", "--dir", directory]
+                made.add(directory)
         args += ["--ro-bind", path, path]
+        bound.append(path)
     return args
 
 
@@ -172,7 +175,8 @@ class Confinement:
         uid: unprivileged uid (and gid) commands run as when this process is root.
         mount_point: where the workspace appears inside the sandbox.
         path_prefix: directories put first on ``PATH`` (the interpreter's ``bin``, so ``python``/``pytest`` work).
-        extra_ro_paths: further host paths that must be readable inside even below a private directory.
+        extra_ro_paths: further host paths made readable inside (everything outside ``SYSTEM_DIRS`` and the
+            interpreter is invisible otherwise).
         max_output_bytes: how much of the output is kept.
     """
 
@@ -203,17 +207,8 @@ class Confinement:
     def _build_prefix(self, bwrap: str, prlimit: str, setpriv: str, ro_paths: Sequence[str]) -> list[str]:
         args = [bwrap, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox",
                 "--die-with-parent", "--new-session", "--tmpfs", "/"]
-        top = self.mount_point.strip("/").split("/")[0]
-        for entry in sorted(os.listdir("/")):
-            if entry in _SKIPPED_TOP_LEVEL or entry == top:
-                continue
-            path = "/" + entry
-            if os.path.islink(path):
-                args += ["--symlink", os.readlink(path), path]
-            elif os.path.isdir(path) or os.path.isfile(path):
-                args += ["--ro-bind", path, path]
         args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
-        args += _expose_args(ro_paths)
+        args += _root_args(ro_paths)
         args += ["--bind", self.workspace, self.mount_point, "--chdir", self.mount_point, "--"]
         lim = self.limits
         args += [prlimit, f"--as={lim.memory_bytes}", f"--nproc={lim.max_processes}",

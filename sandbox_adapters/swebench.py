@@ -31,9 +31,12 @@ Task specification: an instance in the SWE-bench 5 schema (``instance_id``, ``re
 ``base_commit``, ``problem_statement``, ``FAIL_TO_PASS``, ``PASS_TO_PASS``, ``eval_script``, ``log_parser``,
 ``eval_type``, ``image``, ...) plus ``repo_path``, a local git checkout that contains ``base_commit`` (or put the
 checkout at ``Config.repos_dir/<instance_id>``). ``swe_tasks`` generates such tasks.
-Official SWE-bench instances work the same way once their repository is checked out locally and their test
-dependencies are importable by ``Config.python_bin_dir``'s interpreter; the Docker images of the official harness
-are not used (no engine is needed, and none is available in CI).
+Official SWE-bench instances (``load_swebench_dataset`` reads a local parquet/JSON copy of the dataset) go through
+the same code path: clone each repository at ``base_commit`` into ``Config.repos_dir/<instance_id>``, install its
+test dependencies into an interpreter and point ``Config.python_bin_dir`` (plus ``extra_ro_paths``) at it. Their
+``eval_script`` runs at ``/testbed`` as in the official images, but lines that activate the images' conda env
+(``source /opt/miniconda3/bin/activate``) must then be dropped or point at that interpreter. No Docker backend is
+shipped: the official images need a Docker engine and Docker Hub, neither of which CI (or this machine) has.
 
 Requirements: Linux, ``bwrap`` (Debian package ``bubblewrap``), util-linux ``prlimit``/``setpriv``, ``git``,
 ``pytest`` in the sandbox interpreter, and ``swebench`` (5.x) for grading. overlayfs needs root; otherwise (or
@@ -49,6 +52,7 @@ import posixpath
 import re
 import subprocess
 import sys
+import weakref
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -127,6 +131,11 @@ def parse_swe_action(text: str) -> str | None:
     return None
 
 
+def _close_workspaces(workspaces: list[Workspace]) -> None:
+    while workspaces:
+        workspaces.pop().close()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Payload:
     """A SWE snapshot payload: the directory state (layers/file copy) and the small dict beside it."""
@@ -167,6 +176,9 @@ class SWEBenchSandbox(Sandbox):
                 across all sandboxes running at once.
             python_bin_dir: directory put first on ``PATH`` inside the sandbox, so ``python``/``pytest`` are those
                 of this interpreter (default: the directory of ``sys.executable``).
+            extra_ro_paths: host paths the commands may read besides the system directories and the interpreter
+                (default none: the rest of the host, task data and gold patches included, is invisible to the
+                agent). Add e.g. a toolchain under ``/opt`` that the repository's tests need.
             max_layers: overlay stack depth above which a snapshot flattens the stack (default 24).
         """
 
@@ -181,6 +193,7 @@ class SWEBenchSandbox(Sandbox):
         max_output_chars: int = 8000
         sandbox_uid: int = 65534
         python_bin_dir: str = dataclasses.field(default_factory=lambda: os.path.dirname(sys.executable))
+        extra_ro_paths: tuple[str, ...] = ()
         max_layers: int = 24
 
         def __post_init__(self) -> None:
@@ -217,6 +230,9 @@ class SWEBenchSandbox(Sandbox):
         )
         self._workspace: Workspace | None = None
         self._confinement: Confinement | None = None
+        # a sandbox dropped without close() must not leave a mount or a temp dir behind
+        self._open_workspaces: list[Workspace] = []
+        weakref.finalize(self, _close_workspaces, self._open_workspaces)
         self._cwd = MOUNT_POINT
         self._steps = 0
 
@@ -243,16 +259,20 @@ class SWEBenchSandbox(Sandbox):
         return parse_swe_action(text)
 
     # --- engine hooks ---------------------------------------------------------------------------------------
-    def _make_confinement(self, directory: str) -> Confinement:
+    def _make_confinement(self, directory: str, max_output_bytes: int | None = None) -> Confinement:
+        """Confinement of ``directory``; agent commands keep a few times what is shown, grading keeps it all."""
         return Confinement(
             directory,
             self.limits,
             uid=self.config.sandbox_uid,
             mount_point=MOUNT_POINT,
             path_prefix=[self.config.python_bin_dir],
-            extra_ro_paths=[self.config.python_bin_dir],
-            max_output_bytes=4 * self.config.max_output_chars + 4096,
+            extra_ro_paths=[self.config.python_bin_dir, *self.config.extra_ro_paths],
+            max_output_bytes=max_output_bytes or 4 * self.config.max_output_chars + 4096,
         )
+
+    def _make_grading_confinement(self, directory: str) -> Confinement:
+        return self._make_confinement(directory, max_output_bytes=self.config.max_file_bytes)
 
     def _ensure_workspace(self) -> Workspace:
         if self._workspace is None:
@@ -260,6 +280,7 @@ class SWEBenchSandbox(Sandbox):
                 self._workspace = OverlayWorkspace(self.uid, self.config.max_layers)
             else:
                 self._workspace = MemoryWorkspace(self.uid)
+            self._open_workspaces.append(self._workspace)
             self._confinement = self._make_confinement(self._workspace.path)
         return self._workspace
 
@@ -327,8 +348,9 @@ class SWEBenchSandbox(Sandbox):
                                "part of the `envs` extra)")
         assert self._confinement is not None and self._workspace is not None and self._workspace.origin
         task = self.task
-        patch = extract_patch(self._confinement, task["base_commit"], self.config.grading_timeout_s)
-        graded = grade_patch(task, patch, self._workspace.origin.path, self._make_confinement, self.uid,
+        patch = extract_patch(self._make_grading_confinement(self._workspace.path), task["base_commit"],
+                              self.config.grading_timeout_s)
+        graded = grade_patch(task, patch, self._workspace.origin.path, self._make_grading_confinement, self.uid,
                              self.config.grading_timeout_s)
         status = graded.report.get("tests_status", {})
         info = {
@@ -389,7 +411,6 @@ class SWEBenchSandbox(Sandbox):
         self._steps = payload.steps
 
     def close(self) -> None:
-        if self._workspace is not None:
-            self._workspace.close()
-            self._workspace = None
-            self._confinement = None
+        _close_workspaces(self._open_workspaces)
+        self._workspace = None
+        self._confinement = None
