@@ -109,7 +109,12 @@ def _alfworld(work_dir: Path, quick: bool) -> Case:
     from sandbox_adapters.alfworld import ALFWorldSandbox, game_walkthrough
     from sandbox_adapters.alfworld_gen import generate_games, write_problems
 
-    write_problems(work_dir / "alfworld", seeds=[0], task_types=["pick_two_obj_and_place"])
+    # full runs use ALFWorld-sized kitchens: 12 cabinets + 12 drawers + 6 other receptacles, 16 objects
+    cabinets, distractors = (1, 3) if quick else (12, 14)
+    write_problems(
+        work_dir / "alfworld", seeds=[0], task_types=["pick_two_obj_and_place"], cabinets=cabinets,
+        distractors=distractors,
+    )  # fmt: skip
     game = str(generate_games(work_dir / "alfworld" / "json_2.1.1")[0])
     walkthrough = game_walkthrough(game)
     return Case(
@@ -117,7 +122,7 @@ def _alfworld(work_dir: Path, quick: bool) -> Case:
         {"game": game},
         walkthrough[:-1],
         walkthrough[-1],
-        f"generated pick_two scene (8 receptacles), fork at step {len(walkthrough) - 1}",
+        f"generated pick_two scene ({6 + 2 * cabinets} receptacles), fork at step {len(walkthrough) - 1}",
     )
 
 
@@ -130,7 +135,8 @@ def _swebench_case(work_dir: Path, backend: str) -> Case:
     task["repo_path"] = str(out / "repos" / task["instance_id"])
     config = SWEBenchSandbox.Config(snapshot_backend=backend)
     # a typical agent step at a fork: edit the code, then run the tests
-    probe = "```bash\nsed -i 's/len(values) - size)/len(values) - size + 1)/' pkg0/windows.py && python -m pytest -q\n```"
+    fix = "sed -i 's/len(values) - size)/len(values) - size + 1)/' pkg0/windows.py"
+    probe = f"```bash\n{fix} && python -m pytest -q\n```"
     prefix = ["```bash\ngrep -rn 'def ' pkg0\n```", "```bash\necho '# notes' >> README.md\n```"]
     return Case(lambda: SWEBenchSandbox(config), task, prefix, probe,
                 f"generated repo + .git, {backend} snapshots; probe = sed edit + pytest")

@@ -8,8 +8,9 @@ facts of ``alfworld/data/alfred.pddl``) and a ``traj_data.json`` (``task_type``,
 ``<root>/json_2.1.1/<split>/<task>-<Object>-None-<Receptacle>-<scene>/trial_<seed>/``; ``generate_games`` then runs
 the unmodified ``alfworld-generate`` script on them, which adds ``game.tw-pddl`` with the planner's walkthrough.
 
-Scenes are deliberately tiny (eight receptacles, a handful of objects) so a reset costs tens of milliseconds.
-Everything is a pure function of the seed.
+Scenes are tiny by default (eight receptacles, a handful of objects) so a reset costs a fraction of a second;
+``cabinets``/``distractors`` scale them up to ALFWorld's size for benchmarks. Everything is a pure function of
+the seed and the size parameters.
 """
 
 from __future__ import annotations
@@ -85,14 +86,18 @@ def _location(rng: random.Random) -> str:
     return mangle(f"loc|{x}|{z}|{rot}|{horizon}")
 
 
-def _problem(task_type: str, seed: int) -> tuple[str, dict]:
+def _problem(task_type: str, seed: int, cabinets: int = 1, distractors: int = 3) -> tuple[str, dict]:
     """The ``initial_state.pddl`` text and ``traj_data.json`` dict of one task."""
     from alfworld.gen import goal_library
 
     rng = random.Random(f"{task_type}/{seed}")
     receptacles: dict[str, tuple[str, str]] = {}  # PDDL id -> (type, location)
     used_locations: set[str] = set()
+    # kitchens have many cabinets and drawers; they are what makes real ALFWorld scenes large
+    instances: list[str] = []
     for rtype in _RECEPTACLES:
+        instances += [rtype] * (cabinets if rtype in ("Cabinet", "Drawer") else 1)
+    for rtype in instances:
         loc = _location(rng)
         while loc in used_locations:
             loc = _location(rng)
@@ -111,9 +116,9 @@ def _problem(task_type: str, seed: int) -> tuple[str, dict]:
         candidates = [o for o in _OBJECTS if not _OBJECTS[o]]
     target_obj = rng.choice(candidates)
     target_recep = rng.choice([r for r in _RECEPTACLES if r not in _NOT_A_TARGET and r != "Desk"])
-    distractors = rng.sample([o for o in _OBJECTS if o != target_obj], 3)
+    others = [o for o in _OBJECTS if o != target_obj]
     placed = [target_obj, target_obj] if task_type == "pick_two_obj_and_place" else [target_obj]
-    placed += distractors
+    placed += [rng.choice(others) for _ in range(distractors)]
 
     # objects start anywhere but in the target receptacle and never inside an appliance the task needs
     start_receps = [
@@ -170,15 +175,27 @@ def _problem(task_type: str, seed: int) -> tuple[str, dict]:
 
 
 def write_problems(
-    root: str | os.PathLike, seeds: Iterable[int], task_types: Sequence[str] = TASK_TYPES, split: str = "train"
+    root: str | os.PathLike,
+    seeds: Iterable[int],
+    task_types: Sequence[str] = TASK_TYPES,
+    split: str = "train",
+    *,
+    cabinets: int = 1,
+    distractors: int = 3,
 ) -> list[Path]:
-    """Write one problem per (task type, seed) under ``root/json_2.1.1/<split>/``; return the trial dirs."""
+    """Write one problem per (task type, seed) under ``root/json_2.1.1/<split>/``; return the trial dirs.
+
+    ``cabinets`` is the number of cabinets and of drawers (default 1: eight receptacles in all; 12 gives a
+    30-receptacle scene like ALFWorld's kitchens) and ``distractors`` the number of non-target objects.
+    """
+    if cabinets < 1 or distractors < 0:
+        raise ValueError("alfworld: cabinets must be >= 1 and distractors >= 0")
     out = []
     for task_type in task_types:
         if task_type not in TASK_TYPES:
             raise ValueError(f"alfworld: unknown task type {task_type!r}; choose from {TASK_TYPES}")
         for seed in seeds:
-            problem, traj = _problem(task_type, seed)
+            problem, traj = _problem(task_type, seed, cabinets, distractors)
             p = traj["pddl_params"]
             recep = p["parent_target"] or p["toggle_target"]
             trial = (

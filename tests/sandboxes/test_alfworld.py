@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -200,6 +201,10 @@ def test_problem_generator_is_deterministic(tmp_path, alf_root):
     assert (first[0] / "initial_state.pddl").read_bytes() != (other[0] / "initial_state.pddl").read_bytes()
     with pytest.raises(ValueError, match="unknown task type"):
         write_problems(tmp_path / "bad", seeds=[0], task_types=["juggle"])
+    big = write_problems(tmp_path / "big", seeds=[3], task_types=TASK_TYPES[:1], cabinets=12, distractors=14)[0]
+    problem = (big / "initial_state.pddl").read_text()
+    assert len(re.findall(r"^    \S+ - receptacle$", problem, flags=re.MULTILINE)) == 30
+    assert problem.count("(pickupable ") == 15  # the target and 14 distractors (the lamp is not pickupable)
 
 
 def test_closed_engines_are_recycled(alf_games):
