@@ -318,6 +318,13 @@ class ALFWorldSandbox(Sandbox):
         payload = snapshot.payload
         if not isinstance(payload, _SasPayload):
             raise RestoreFailed(f"alfworld: not an ALFWorld snapshot payload: {type(payload).__name__}")
+        try:
+            self._restore_sas(payload)
+        except Exception:
+            self._discard_engine()  # half-restored: never hand this engine to another sandbox
+            raise
+
+    def _restore_sas(self, payload: _SasPayload) -> None:
         if self._engine is None or self._game != payload.game:
             self._start_game(payload.game)  # translates the PDDL once; later restores of this game skip it
         import fast_downward

@@ -223,6 +223,22 @@ def test_closed_engines_are_recycled(alf_games):
         second.close()
 
 
+def test_failed_restore_discards_the_engine(alf_games):
+    from sandbox_adapters.base import RestoreFailed
+
+    with ALFWorldSandbox() as parent, ALFWorldSandbox() as child:
+        parent.reset({"game": alf_games["pick_and_place_simple"]})
+        snap = parent.snapshot()
+        child.reset({"game": alf_games["look_at_obj_in_light"]})
+        engine = child._engine
+        broken = dataclasses.replace(snap, payload=dataclasses.replace(snap.payload, game="/nonexistent/game.tw-pddl"))
+        with pytest.raises(RestoreFailed):
+            child.restore(broken)
+        assert child._engine is None and engine not in alfworld_adapter._IDLE_ENGINES
+        child.restore(snap)  # a good snapshot brings up a working engine again
+        assert child.step("look").observation.text == parent.step("look").observation.text
+
+
 @pytest.mark.parametrize(
     ("text", "action"),
     [
