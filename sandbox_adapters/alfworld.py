@@ -25,6 +25,10 @@ on realistic scenes). These are private TextWorld internals, so a test checks th
 Reward 1.0 on the step that wins (ALFWorld's score), ``done`` when won or after ``Config.max_steps`` actions.
 Commands outside the admissible list are still sent (the engine answers "Nothing happens.") and are flagged
 ``info["invalid_action"]``.
+
+Determinism and faults: PDDL transitions and ALFWorld's text grammar have no randomness (the demangler runs with
+``shuffle=False``), so ``reseed`` is a no-op. The engine runs in this process, so there is no step timeout; an
+exception inside it becomes ``SandboxCrashed`` and its engine is discarded rather than recycled.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ game sums to 1.0); ``done`` when the game is won or lost or after ``Config.max_s
 
 Task specification: ``{"game": "<path to a .z8>"}`` (relative paths resolve against ``Config.games_dir``) or
 ``{"task_id": i}``, the i-th ``.z8`` of ``Config.games_dir`` in sorted order.
+
+Determinism and faults: ``tw-make`` games have no random events, the Z-machine's RNG is seeded with
+``Config.seed`` at reset and travels with the snapshot, so the adapter is deterministic and ``reseed`` is a no-op.
+The engine runs in this process, so there is no step timeout (Inform7 commands of these games always return);
+an exception inside the engine becomes ``SandboxCrashed``.
 """
 
 from __future__ import annotations
