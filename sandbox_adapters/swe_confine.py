@@ -7,9 +7,10 @@ Every command the agent sends (and every git or grading step that reads agent-wr
 * **bubblewrap** (Debian package ``bubblewrap``) builds a new root from read-only binds of the host's system
   directories (``SYSTEM_DIRS``) and the interpreter's directories only, fresh ``/proc``, ``/dev`` and an empty
   ``/tmp`` tmpfs, and binds exactly one writable directory, the workspace, at a fixed path (``/testbed`` as in
-  SWE-bench images). The rest of the host, task data included, is not visible. It unshares the network (only a down loopback
-  exists), the pid namespace (killing bubblewrap kills every process the command started, including daemons) and
-  IPC/UTS. A write anywhere but the workspace or the throw-away ``/tmp`` fails with "Read-only file system".
+  SWE-bench images). The rest of the host, task data included, is not visible. It unshares the network (only a
+  down loopback exists), the pid namespace (killing bubblewrap kills every process the command started, daemons
+  included) and IPC/UTS. A write to a system directory fails with "Read-only file system", anywhere else outside
+  the workspace and the throw-away ``/tmp`` with "No such file or directory".
 * **prlimit** (util-linux) sets address space, process count, file size and open-file limits. It is used rather
   than ``preexec_fn``, which is unsafe in the multi-threaded processes (Ray, torch) this code runs in.
 * **setpriv** (util-linux) drops root to ``uid``. This matters: the kernel ignores ``RLIMIT_NPROC`` for root,
@@ -34,7 +35,9 @@ import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["Limits", "RunResult", "Confinement", "ConfinementUnavailable", "chown_tree", "deterministic_env", "bwrap_path"]
+__all__ = [
+    "Limits", "RunResult", "Confinement", "ConfinementUnavailable", "chown_tree", "deterministic_env", "bwrap_path",
+]
 
 #: Host top-level directories every command sees, read-only: programs, libraries and system configuration.
 #: Everything else (home directories, /work, /srv, /opt, /var, ...) is invisible unless named in ``ro_paths``, so

@@ -88,7 +88,7 @@ def _wrong_operator(rng: random.Random) -> _Bug:
 
 def _missing_edge_case(rng: random.Random) -> _Bug:
     fallback = rng.choice(["0.0", "None"])
-    head = 'def mean(values):\n    """Arithmetic mean; an empty sequence has mean ``{fb}``."""\n'.format(fb=fallback)
+    head = f'def mean(values):\n    """Arithmetic mean; an empty sequence has mean ``{fallback}``."""\n'
     fixed_guard = f"    if not values:\n        return {fallback}\n"
     tail = "    return sum(values) / len(values)\n"
     xs = [rng.randint(1, 9) for _ in range(4)]

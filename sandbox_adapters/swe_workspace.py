@@ -283,7 +283,7 @@ def _read_tree(root: str) -> tuple:
 
 
 def _write_tree(root: str, entries: tuple, uid: int | None) -> None:
-    for path, kind, mode, data in entries:
+    for path, kind, _mode, data in entries:
         target = os.path.join(root, path)
         if kind == "dir":
             os.mkdir(target, 0o700)

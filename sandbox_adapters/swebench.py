@@ -198,7 +198,8 @@ class SWEBenchSandbox(Sandbox):
 
         def __post_init__(self) -> None:
             if self.snapshot_backend not in ("auto", "overlay", "memory"):
-                raise ValueError(f"swebench: snapshot_backend must be auto|overlay|memory, got {self.snapshot_backend!r}")
+                raise ValueError(
+                    f"swebench: snapshot_backend must be auto|overlay|memory, got {self.snapshot_backend!r}")
             if self.max_steps < 1 or self.max_output_chars < 100 or self.max_layers < 2:
                 raise ValueError("swebench: max_steps >= 1, max_output_chars >= 100 and max_layers >= 2 required")
 

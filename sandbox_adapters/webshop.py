@@ -22,8 +22,9 @@ State and snapshot (NATIVE): everything lives in the process — ``server.user_s
 page, asin, options, action counts, done), the browser's ``current_url`` and ``page_source``, and the env's
 ``instruction_text``/``prev_obs``/``prev_actions``. A snapshot deep-copies the session (the goal it points to is
 the server's shared, read-only goal object, as in the engine) and keeps the immutable strings; a restore writes a
-fresh copy back under this sandbox's own session id (the clickables are rebuilt from the page by the next step). Sandboxes of one configuration share
-one engine server per process (loading products and the index is the expensive part), each with its own session.
+fresh copy back under this sandbox's own session id (the next step rebuilds the clickables from the page).
+Sandboxes of one configuration share one engine server per process (loading products and the index is the
+expensive part), each with its own session.
 
 Task specification: ``{"goal_index": <int>}``, an index into the engine's goal list (``session_int`` in WebShop).
 """

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
 import socket
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -173,9 +175,9 @@ def test_no_network(tasks):
     try:
         with _sandbox() as sandbox:
             sandbox.reset(tasks[0])
-            probe = ("import socket\nfor addr in [('127.0.0.1', %d), ('1.1.1.1', 80)]:\n"
+            probe = (f"import socket\nfor addr in [('127.0.0.1', {port}), ('1.1.1.1', 80)]:\n"
                      "    try:\n        socket.create_connection(addr, timeout=2); print('CONNECTED', addr)\n"
-                     "    except OSError as e:\n        print('FAILED', addr, e.errno)\n") % port
+                     "    except OSError as e:\n        print('FAILED', addr, e.errno)\n")
             out = sandbox.step(f"```write probe.py\n{probe}```").observation.text
             assert "Wrote" in out
             out = sandbox.step(bash("python probe.py")).observation.text
@@ -252,6 +254,20 @@ def test_fork_bomb_is_contained(tasks):
     while _uid_processes(uid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _uid_processes(uid), "fork-bomb processes survived the step"
+
+
+@pytest.mark.parametrize("backend", [pytest.param("overlay", marks=needs_overlay), "memory"])
+def test_a_dropped_sandbox_cleans_up_after_itself(tasks, tmp_path, monkeypatch, backend):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sandbox = _sandbox(backend)
+    sandbox.reset(tasks[0])
+    sandbox.step(bash("echo x > new.txt"))
+    assert os.listdir(tmp_path)
+    del sandbox  # never closed: the finalizer must unmount and delete
+    gc.collect()
+    assert not os.listdir(tmp_path)
+    with open("/proc/mounts") as f:
+        assert str(tmp_path) not in f.read()
 
 
 def test_memory_snapshot_keeps_symlinks_as_links(tasks):
