@@ -10,8 +10,8 @@ backends with one interface (:class:`Workspace`):
   that uses them; a layer is deleted when its last user lets go. Deep stacks are flattened into one layer
   (``max_layers``) to stay far below the kernel's limit on mount options.
 * :class:`MemoryWorkspace` (portable): ``snapshot()`` reads every file, directory and symlink into an immutable
-  tuple; ``restore()`` deletes the directory and writes it back. Cost grows with repository size; fine for the
-  small generated repositories.
+  tuple; ``restore()`` compares the directory with it and rewrites only what differs. Cost grows with repository
+  size (every file is read); fine for the small generated repositories.
 
 Both also keep the task's pristine checkout (the *origin* layer) that grading copies, and hand it to any sandbox
 that restores one of their snapshots. Host-side code never follows a symlink the agent created: the memory backend
@@ -259,59 +259,94 @@ class OverlayWorkspace(Workspace):
 # in-memory copy
 
 
-def _read_tree(root: str) -> tuple:
-    """(relative path, kind, mode, data) for every entry under ``root``, parents before children."""
-    entries: list[tuple[str, str, int, bytes | str | None]] = []
+def _scan(root: str) -> dict[str, tuple[str, int, bytes | str | None, int]]:
+    """path -> (kind, mode, data, link count) for every entry under ``root`` in walk order (parents first).
+
+    Kinds: ``file`` (data = bytes), ``dir``, ``link`` (data = target; never followed) and ``other`` (fifos,
+    sockets, device nodes: not part of a repository, so snapshots drop them and restores delete them).
+    """
+    entries: dict[str, tuple[str, int, bytes | str | None, int]] = {}
 
     def walk(rel: str) -> None:
         with os.scandir(os.path.join(root, rel) if rel else root) as it:
             for entry in sorted(it, key=lambda e: e.name):
                 path = os.path.join(rel, entry.name) if rel else entry.name
                 st = entry.stat(follow_symlinks=False)
+                mode = stat.S_IMODE(st.st_mode)
                 if stat.S_ISLNK(st.st_mode):
-                    entries.append((path, "link", 0, os.readlink(entry.path)))
+                    entries[path] = ("link", 0, os.readlink(entry.path), 1)
                 elif stat.S_ISDIR(st.st_mode):
-                    entries.append((path, "dir", stat.S_IMODE(st.st_mode), None))
+                    entries[path] = ("dir", mode, None, 1)
                     walk(path)
                 elif stat.S_ISREG(st.st_mode):
                     with open(entry.path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
-                        entries.append((path, "file", stat.S_IMODE(st.st_mode), f.read()))
-                # fifos, sockets and device nodes are not part of a repository; they are dropped
+                        entries[path] = ("file", mode, f.read(), st.st_nlink)
+                else:
+                    entries[path] = ("other", mode, None, 1)
 
     walk("")
-    return tuple(entries)
+    return entries
 
 
-def _write_tree(root: str, entries: tuple, uid: int | None) -> None:
+def _read_tree(root: str) -> tuple:
+    """The snapshot of ``root``: (path, kind, mode, data) per file, directory and symlink, parents first."""
+    return tuple((path, kind, mode, data) for path, (kind, mode, data, _) in _scan(root).items() if kind != "other")
+
+
+def _sync_tree(root: str, entries: tuple, uid: int | None) -> None:
+    """Make ``root`` hold exactly ``entries``, rewriting only what differs.
+
+    Never follows a symlink: entries are fixed parents first, so every directory a file is written into is a real
+    directory by then, and files are replaced (unlink + exclusive create), not written through. Hard links are
+    broken too (snapshots do not record them), so a later write to one name cannot change another.
+    """
+    current = _scan(root)
+    wanted = {path: (kind, mode, data) for path, kind, mode, data in entries}
+    gone: set[str] = set()
+    for path in sorted(current, reverse=True):  # children sort after their parent: delete them first
+        kind = current[path][0]
+        if wanted.get(path, (None,))[0] != kind:
+            target = os.path.join(root, path)
+            shutil.rmtree(target) if kind == "dir" else os.unlink(target)
+            gone.add(path)
+    created: set[str] = set()
     for path, kind, _mode, data in entries:
         target = os.path.join(root, path)
+        present = path in current and path not in gone
         if kind == "dir":
+            if present:
+                continue
             os.mkdir(target, 0o700)
         elif kind == "file":
+            if present and current[path][2] == data and current[path][3] == 1:
+                continue
+            if present:
+                os.unlink(target)
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
         else:
+            if present and current[path][2] == data:
+                continue
+            if present:
+                os.unlink(target)
             os.symlink(data, target)
+        created.add(path)
         if uid is not None:
             os.lchown(target, uid, uid)
-    for path, kind, mode, _ in reversed(entries):  # modes last: a read-only dir must be filled first
-        if kind != "link":
+    for path, kind, mode, _ in reversed(entries):  # modes last, children first: a read-only dir is filled first
+        if kind != "link" and (path in created or current[path][1] != mode):
             os.chmod(os.path.join(root, path), mode)
+    os.chmod(root, 0o755)
+    if uid is not None:
+        os.lchown(root, uid, uid)
 
 
 class MemoryWorkspace(Workspace):
     """Workspace whose snapshots are in-memory copies of every file; see the module docstring."""
 
-    def _reset_dir(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-        os.mkdir(self.path)
-        if self.uid is not None:
-            os.chown(self.path, self.uid, self.uid)
-
     def _load(self, origin: Layer) -> None:
-        self._reset_dir()
-        _write_tree(self.path, _read_tree(origin.path), self.uid)
+        _sync_tree(self.path, _read_tree(origin.path), self.uid)
 
     def _snapshot(self) -> _State:
         return _State([self.origin], _read_tree(self.path))
@@ -319,8 +354,7 @@ class MemoryWorkspace(Workspace):
     def _restore(self, state: _State) -> None:
         if state.files is None:
             raise TypeError("snapshot holds no file copy (it was made by an overlay workspace)")
-        self._reset_dir()
-        _write_tree(self.path, state.files, self.uid)
+        _sync_tree(self.path, state.files, self.uid)
 
     def _close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

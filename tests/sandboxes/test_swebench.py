@@ -270,6 +270,38 @@ def test_a_dropped_sandbox_cleans_up_after_itself(tasks, tmp_path, monkeypatch, 
         assert str(tmp_path) not in f.read()
 
 
+def test_memory_restore_undoes_adversarial_changes_in_place(tmp_path):
+    from sandbox_adapters.swe_workspace import _read_tree, _scan, _sync_tree
+
+    ws = tmp_path / "ws"
+    (ws / "d" / "e").mkdir(parents=True)
+    (ws / "d" / "e" / "f.txt").write_text("hello")
+    (ws / "a").write_text("A")
+    (ws / "b").write_text("B")
+    os.chmod(ws / "b", 0o755)
+    os.symlink("a", ws / "lnk")
+    snap = _read_tree(str(ws))
+    kept_inode = os.stat(ws / "d" / "e" / "f.txt").st_ino
+    # a directory turned into a symlink to the host, a hard link, a mode change, a fifo, a new file, a link -> dir
+    os.rename(ws / "d", tmp_path / "moved")
+    os.symlink(str(tmp_path / "moved"), ws / "d")
+    os.unlink(ws / "b")
+    os.link(ws / "a", ws / "b")
+    os.chmod(ws / "a", 0o600)
+    os.mkfifo(ws / "fifo")
+    (ws / "new").write_text("N")
+    os.unlink(ws / "lnk")
+    (ws / "lnk").mkdir()
+    _sync_tree(str(ws), snap, None)
+    assert _read_tree(str(ws)) == snap
+    assert all(nlink == 1 for *_, nlink in _scan(str(ws)).values())
+    assert (tmp_path / "moved" / "e" / "f.txt").read_text() == "hello"  # nothing written through the symlink
+    assert os.stat(tmp_path / "moved" / "e" / "f.txt").st_ino == kept_inode
+    unchanged = os.stat(ws / "d" / "e" / "f.txt").st_ino
+    _sync_tree(str(ws), snap, None)
+    assert os.stat(ws / "d" / "e" / "f.txt").st_ino == unchanged  # equal files are not rewritten
+
+
 def test_memory_snapshot_keeps_symlinks_as_links(tasks):
     with _sandbox("memory") as sandbox:
         sandbox.reset(tasks[0])
