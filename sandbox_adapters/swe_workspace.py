@@ -15,7 +15,8 @@ backends with one interface (:class:`Workspace`):
 
 Both also keep the task's pristine checkout (the *origin* layer) that grading copies, and hand it to any sandbox
 that restores one of their snapshots. Host-side code never follows a symlink the agent created: the memory backend
-records symlinks as links and recreates parents before children, and the overlay backend only renames and mounts.
+records symlinks as links, fixes parents before children and replaces files instead of writing through them, and
+the overlay backend only renames, copies (``cp -a``) and mounts.
 """
 
 from __future__ import annotations
