@@ -366,6 +366,14 @@ class SWEBenchSandbox(Sandbox):
                 f"{info['pass_to_pass_failures']} failing PASS_TO_PASS test(s)).")
         return (1.0 if graded.resolved else 0.0), info, text
 
+    def _finish(self, text: str, info: dict[str, Any]) -> StepResult:
+        """The step's result: graded and final at ``max_steps``, else reward 0 and the episode goes on."""
+        if self._steps < self.config.max_steps:
+            return StepResult(Observation(text), 0.0, False, info)
+        reward, grade_info, grade_text = self._grade()
+        return StepResult(Observation(f"{text}\n\nStep limit reached. {grade_text}"), reward, True,
+                          {**info, **grade_info, "step_limit": True})
+
     def _apply(self, action: str) -> StepResult:
         decoded = json.loads(action)
         self._steps += 1
@@ -373,25 +381,20 @@ class SWEBenchSandbox(Sandbox):
             if decoded[0] == "submit":
                 reward, info, text = self._grade()
                 return StepResult(Observation(text), reward, True, info)
-            text, info = self._run_action(decoded)
-            if self._steps >= self.config.max_steps:
-                reward, grade_info, grade_text = self._grade()
-                info.update(grade_info, step_limit=True)
-                return StepResult(Observation(f"{text}\n\nStep limit reached. {grade_text}"), reward, True, info)
+            return self._finish(*self._run_action(decoded))
         except (OSError, subprocess.SubprocessError) as exc:
             raise SandboxCrashed(f"swebench: the confinement failed: {exc!r}") from exc
-        return StepResult(Observation(text), 0.0, False, info)
 
     def _step_text(self, action_text: str) -> StepResult:
         result = super()._step_text(action_text)
-        if result.info.get("invalid_action"):
-            # invalid turns count towards max_steps too, so a model that never acts still ends the episode
-            self._steps += 1
-            if self._steps >= self.config.max_steps:
-                reward, info, text = self._grade()
-                return StepResult(Observation(f"{result.observation.text}\n\nStep limit reached. {text}"), reward,
-                                  True, {**result.info, **info, "step_limit": True})
-        return result
+        if not result.info.get("invalid_action"):
+            return result
+        # invalid turns count towards max_steps too, so a model that never acts still ends the episode
+        self._steps += 1
+        try:
+            return self._finish(result.observation.text, dict(result.info))
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise SandboxCrashed(f"swebench: the confinement failed: {exc!r}") from exc
 
     # --- snapshots ------------------------------------------------------------------------------------------
     def _snapshot_payload(self) -> _Payload:

@@ -391,6 +391,18 @@ def test_breaking_a_passing_test_or_step_limit_is_unresolved(tasks):
 
 @pytest.mark.envs
 @needs_swebench
+def test_invalid_turns_count_towards_the_step_limit(tasks):
+    with _sandbox(max_steps=2) as sandbox:
+        sandbox.reset(tasks[2])
+        first = sandbox.step("Let me think about this.")
+        assert first.info["invalid_action"] and not first.done
+        last = sandbox.step("```python\nprint('not a shell block')\n```")
+    assert last.done and last.reward == 0.0 and last.info["step_limit"] and last.info["invalid_action"]
+    assert last.info["fail_to_pass_failures"] == 1
+
+
+@pytest.mark.envs
+@needs_swebench
 def test_branches_graded_independently(tasks):
     task = tasks[1]
     with _sandbox() as parent, _sandbox() as child:
