@@ -238,11 +238,9 @@ def test_infinite_loop_is_killed_and_the_sandbox_goes_on(tasks):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the process limit only binds a dedicated uid when run as root")
 def test_fork_bomb_is_contained(tasks):
-    from sandbox_adapters.swebench import SWEBenchSandbox
-
-    uid = SWEBenchSandbox.Config().sandbox_uid
-    assert not _uid_processes(uid), "processes of the sandbox uid exist before the test"
-    with _sandbox(command_timeout_s=3.0, max_processes=32) as sandbox:
+    uid = 64_999  # a uid of its own, so that no other sandbox's processes count here
+    assert not _uid_processes(uid), "processes of the test uid exist before the test"
+    with _sandbox(command_timeout_s=3.0, max_processes=32, sandbox_uid=uid) as sandbox:
         sandbox.reset(tasks[0])
         start = time.monotonic()
         result = sandbox.step(bash(":(){ :|:& };:; sleep 2"))  # the sleep keeps the bomb running a while
