@@ -5,8 +5,8 @@ with every field the SWE-bench 5 harness reads: ``instance_id, repo, version, ba
 hints_text, created_at, environment_setup_commit, patch`` (the gold fix), ``test_patch`` (new tests that expose the
 bug), ``FAIL_TO_PASS``/``PASS_TO_PASS`` (JSON strings, as in the published datasets), ``eval_script`` (the usual
 reset-tests / apply-test-patch / markers / ``pytest -rA`` script, run at ``/testbed``), ``log_parser``
-(``parse_log_pytest``), ``eval_type`` and ``image`` (unused locally). ``swebench.harness.utils.load_swebench_dataset``
-loads the written ``instances.jsonl`` as is.
+(``parse_log_pytest``), ``eval_type`` and ``image`` (unused locally), plus our ``bug_kind``.
+``swebench.harness.utils.load_swebench_dataset`` loads the written ``instances.jsonl`` as is.
 
 Bug kinds: off-by-one, wrong comparison operator, missing edge case, wrong default, swapped arguments, missing
 normalisation. Task ``i`` uses kind ``i % 6`` with constants drawn from ``random.Random(seed + i)``, so the output
