@@ -238,11 +238,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 
-    print(f"{'adapter':<11}{'step ms':>10}{'snap ms':>10}{'restore ms':>12}{'replay ms':>11}"
+    print(f"{'adapter':<16}{'step ms':>10}{'snap ms':>10}{'restore ms':>12}{'replay ms':>11}"
           f"{'(s+r)/step':>12}{'replay/restore':>16}  scene")  # fmt: skip
     for name, med, ratio, note in rows:
         print(
-            f"{name:<11}{med['step'] * 1e3:>10.3f}{med['snapshot'] * 1e3:>10.3f}{med['restore'] * 1e3:>12.3f}"
+            f"{name:<16}{med['step'] * 1e3:>10.3f}{med['snapshot'] * 1e3:>10.3f}{med['restore'] * 1e3:>12.3f}"
             f"{med['replay'] * 1e3:>11.2f}{ratio['snap_restore_over_step']:>12.3f}{ratio['replay_over_restore']:>16.1f}"
             f"  {note}"
         )
