@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.trees import random_tree_paths
-from verl_bpo.tree import CreditOptions, Forest, compute_credit, token_advantages
+from verl_bpo.tree import CreditOptions, Forest, compute_credit, paint_spans
 
 # Root 0 forks into 1, 2 (K0 = 2). Node 1 is a chain node: 1 -> 3, and 3 forks into 4, 5, 6 (K = 3).
 #       0
@@ -128,9 +128,11 @@ def test_T4_baseline_independence(seed):
     np.testing.assert_allclose(after.advantage[top] - base.advantage[top], dq)
 
 
-def test_token_advantages_paint_spans_exactly():
-    out = token_advantages((2, 8), np.array([0, 0, 1]), np.array([0, 3, 5]), np.array([3, 4, 8]),
-                           np.array([0.1, -2.0, 7.0]))
+def test_paint_spans_exactly():
+    out, twice = paint_spans((2, 8), np.array([0, 0, 1]), np.array([0, 3, 5]), np.array([3, 4, 8]),
+                             np.array([0.1, -2.0, 7.0]), np.array([0.2, -4.0, 14.0]))
     expected = np.zeros((2, 8))
     expected[0, 0:3], expected[0, 3:4], expected[1, 5:8] = 0.1, -2.0, 7.0
-    np.testing.assert_array_equal(out, expected)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, expected.astype(np.float32))
+    np.testing.assert_array_equal(twice, (2 * expected).astype(np.float32))

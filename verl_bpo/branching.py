@@ -77,7 +77,7 @@ class BranchingConfig:
             raise ValueError(f"bpo.n_leaves={self.n_leaves} must be >= 1 (set actor_rollout_ref.rollout.n)")
         if self.k < 2:
             raise ValueError(f"bpo.k={self.k} must be >= 2: a fork has at least two children")
-        if self.root_k < 1 or self.root_k > self.n_leaves:
+        if self.k0 is not None and not 1 <= self.k0 <= self.n_leaves:
             raise ValueError(f"bpo.k0={self.k0} must be in [1, n_leaves={self.n_leaves}]")
         if self.score not in SCORES:
             raise ValueError(f"bpo.score={self.score!r} is not valid; use one of {list(SCORES)}")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import register_adv_est
 
-from verl_bpo.tree import CreditOptions, compute_credit, token_advantages
+from verl_bpo.tree import CreditOptions, compute_credit, paint_spans
 from verl_bpo.tree_meta import LeafMeta, build_leaf_rows
 
 __all__ = ["ESTIMATOR_NAME", "compute_bpo_advantage", "credit_options"]
@@ -100,10 +100,9 @@ def compute_bpo_advantage(
         node = leaf_rows.turn_node
         adv_values = row_scale[leaf_rows.turn_row] * credit.advantage[node]
         spans = (leaf_rows.turn_row, leaf_rows.turn_start, leaf_rows.turn_end)
-        advantages = token_advantages((bs, length), *spans, adv_values)
-        returns = token_advantages((bs, length), *spans, credit.q[node])
+        advantages, returns = paint_spans((bs, length), *spans, adv_values, credit.q[node])
 
         mask = response_mask.to(torch.float32)
-        advantages = torch.from_numpy(advantages).to(device=mask.device, dtype=torch.float32) * mask
-        returns = torch.from_numpy(returns).to(device=mask.device, dtype=torch.float32) * mask
+        advantages = torch.from_numpy(advantages).to(mask.device) * mask
+        returns = torch.from_numpy(returns).to(mask.device) * mask
     return advantages, returns

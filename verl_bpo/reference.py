@@ -34,8 +34,10 @@ __all__ = [
     "TabularMDP",
     "softmax_policy",
     "exact_gradient",
+    "state_values",
     "TreeSample",
     "grow_tree",
+    "forest_of",
     "estimate_gradients",
     "late_variance_mdp",
     "early_variance_mdp",
@@ -128,6 +130,18 @@ def exact_gradient(mdp: TabularMDP, theta: np.ndarray) -> tuple[float, np.ndarra
             score[a] += 1.0  # ∇_θ[t,x,:] log π(a | t, x)
             grad[t, x] += prob * discounts[t] * go * score
     return J, grad
+
+
+def state_values(mdp: TabularMDP, theta: np.ndarray) -> np.ndarray:
+    """V(t, x) under π_θ by backward induction, ``(T + 1, X)`` with V(T, ·) = 0."""
+    pi = softmax_policy(theta)
+    T, X = mdp.horizon, mdp.n_outcomes
+    value = np.zeros((T + 1, X))
+    for t in reversed(range(T)):
+        r = mdp.reward[t] + (mdp.success if t == T - 1 else 0.0)  # (X, A, X') expected turn reward
+        q = (mdp.transition[t] * (r + mdp.gamma * value[t + 1][None, None, :])).sum(axis=-1)
+        value[t] = (pi[t] * q).sum(axis=-1)
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,6 +291,15 @@ def grow_tree(
 # 4. The BPO gradient estimate of a batch of trees
 
 
+def forest_of(trees: list[TreeSample]) -> Forest:
+    """All trees as one :class:`~verl_bpo.tree.Forest` (node indices offset tree by tree)."""
+    sizes = np.array([len(t.parent) for t in trees])
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    parent = np.concatenate([np.where(np.array(t.parent) >= 0, np.array(t.parent) + o, -1)
+                             for t, o in zip(trees, offsets)])
+    return Forest(parent, np.concatenate([t.reward for t in trees]))
+
+
 def estimate_gradients(
     mdp: TabularMDP,
     theta: np.ndarray,
@@ -289,11 +312,7 @@ def estimate_gradients(
     ``leaf_weights="uniform"`` is a negative control: every leaf counts 1/N instead of Π 1/K, so an edge weighs
     (leaves below it)/N — biased on unbalanced trees.
     """
-    sizes = np.array([len(t.parent) for t in trees])
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    parent = np.concatenate([np.where(np.array(t.parent) >= 0, np.array(t.parent) + o, -1)
-                             for t, o in zip(trees, offsets)])
-    forest = Forest(parent, np.concatenate([t.reward for t in trees]))
+    forest = forest_of(trees)
     credit = compute_credit(forest, dataclasses.replace(options, gamma=mdp.gamma))
     if leaf_weights == "mass":
         weight = credit.mass
@@ -303,7 +322,7 @@ def estimate_gradients(
             np.add.at(below, forest.parent[level], below[level])
         weight = below / credit.leaves_per_tree
 
-    tree_of = np.repeat(np.arange(len(trees)), sizes)
+    tree_of = np.repeat(np.arange(len(trees)), [len(t.parent) for t in trees])
     t = np.concatenate([t.state_t for t in trees])
     x = np.concatenate([t.state_x for t in trees])
     a = np.concatenate([t.action for t in trees])

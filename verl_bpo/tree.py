@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["CreditOptions", "Forest", "Credit", "compute_credit", "token_advantages"]
+__all__ = ["CreditOptions", "Forest", "Credit", "compute_credit", "paint_spans"]
 
 Baseline = Literal["loo", "mean_incl_self"]
 Scale = Literal["none", "group_std"]
@@ -205,22 +205,23 @@ def compute_credit(forest: Forest, options: CreditOptions = CreditOptions()) -> 
     return Credit(mass, value, q, segment_top, advantage, leaves)
 
 
-def token_advantages(
+def paint_spans(
     shape: tuple[int, int],
     rows: np.ndarray,
     starts: np.ndarray,
     ends: np.ndarray,
-    values: np.ndarray,
-) -> np.ndarray:
-    """Paint ``values[j]`` on tokens ``[starts[j], ends[j])`` of row ``rows[j]``; spans of a row must not overlap.
+    *values: np.ndarray,
+) -> list[np.ndarray]:
+    """For each ``values`` array, paint ``values[j]`` on tokens ``[starts[j], ends[j])`` of row ``rows[j]``.
 
-    Vectorised with an integer difference array and one cumulative sum (no loop over tokens): inside span j the
-    running sum is j + 1, outside any span it is 0, so a gather reads each token's value exactly.
+    Spans of a row must not overlap. Vectorised with an integer difference array and one cumulative sum (no loop
+    over tokens): inside span j the running sum is j + 1, outside any span it is 0, so a gather reads each token's
+    value exactly. Returns one ``shape`` float32 array per ``values`` (the dtype of verl's advantages).
     """
     batch, length = shape
-    span_id = np.zeros((batch, length + 1), dtype=np.int64)
-    marker = np.arange(1, len(rows) + 1, dtype=np.int64)
+    span_id = np.zeros((batch, length + 1), dtype=np.int32)
+    marker = np.arange(1, len(rows) + 1, dtype=np.int32)
     np.add.at(span_id, (rows, starts), marker)
     np.add.at(span_id, (rows, ends), -marker)
-    lookup = np.concatenate([[0.0], np.asarray(values, dtype=np.float64)])
-    return lookup[np.cumsum(span_id, axis=1)[:, :length]]
+    index = np.cumsum(span_id[:, :length], axis=1, dtype=np.int32)
+    return [np.take(np.concatenate([[0.0], v]).astype(np.float32), index) for v in values]

@@ -8,6 +8,7 @@ the row, and the fix, because a silent mismatch would train on wrong credit. No 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -182,7 +183,7 @@ def build_leaf_rows(
                     f"row {i}: node {node_id} of tree {meta.tree_id!r} has two different parents in the batch; "
                     "node ids must be unique within a tree"
                 )
-            elif t > 0 and not np.isclose(reward[idx], rewards[t - 1]):
+            elif t > 0 and not math.isclose(reward[idx], rewards[t - 1], rel_tol=1e-6, abs_tol=1e-8):
                 raise ValueError(
                     f"row {i}: turn into node {node_id} of tree {meta.tree_id!r} has reward {rewards[t - 1]} here "
                     f"but {reward[idx]} in another leaf; a shared turn must carry one reward"
