@@ -13,7 +13,9 @@ exactly RLOO (``compute_rloo_outcome_advantage``), and with ``baseline="mean_inc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from verl.trainer.ppo.core_algos import register_adv_est
 from verl_bpo.tree import CreditOptions, compute_credit, paint_spans
 from verl_bpo.tree_meta import LeafMeta, build_leaf_rows
 
-__all__ = ["ESTIMATOR_NAME", "compute_bpo_advantage", "credit_options"]
+__all__ = ["ESTIMATOR_NAME", "compute_bpo_advantage", "credit_options", "tree_call_context"]
 
 ESTIMATOR_NAME = "bpo"
 
@@ -32,6 +34,23 @@ _MISSING_META = (
     "trainer passes. Launch BPO with `python -m verl_bpo.main algorithm.adv_estimator=bpo ...` (it wires the tree "
     "agent loop and the trainer that forwards the metadata) instead of `python -m verl.trainer.main_ppo`."
 )
+
+
+# verl calls estimators with a fixed set of keywords (ray_trainer.compute_advantage); the BPO trainer hands the
+# tree metadata over through this context instead of copying verl's advantage code.
+_TREE_CALL: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("bpo_tree_call", default=None)
+
+
+@contextlib.contextmanager
+def tree_call_context(tree_meta: Sequence[Any], bpo_config: Any = None) -> Iterator[dict[str, Any]]:
+    """Within the block, ``compute_bpo_advantage`` called without ``tree_meta`` uses these rows; the yielded dict
+    receives the estimator's statistics under ``"stats"``."""
+    call = {"tree_meta": tree_meta, "bpo_config": bpo_config, "stats": {}}
+    token = _TREE_CALL.set(call)
+    try:
+        yield call
+    finally:
+        _TREE_CALL.reset(token)
 
 
 def credit_options(config: Any = None, bpo_config: Any = None) -> CreditOptions:
@@ -82,6 +101,9 @@ def compute_bpo_advantage(
         advantages: ``(bs, response_length)`` ``N · w_leaf · A_segment`` on generated tokens, 0 elsewhere.
         returns: ``(bs, response_length)`` the Q̂ estimate of each token's turn (return-to-go along the tree).
     """
+    call = _TREE_CALL.get()
+    if tree_meta is None and call is not None:
+        tree_meta, bpo_config = call["tree_meta"], bpo_config if bpo_config is not None else call["bpo_config"]
     if tree_meta is None:
         raise ValueError(_MISSING_META)
     bs, length = response_mask.shape
@@ -102,7 +124,28 @@ def compute_bpo_advantage(
         spans = (leaf_rows.turn_row, leaf_rows.turn_start, leaf_rows.turn_end)
         advantages, returns = paint_spans((bs, length), *spans, adv_values, credit.q[node])
 
+        if call is not None:
+            call["stats"].update(group_stats(leaf_rows.forest, credit))
         mask = response_mask.to(torch.float32)
         advantages = torch.from_numpy(advantages).to(mask.device) * mask
         returns = torch.from_numpy(returns).to(mask.device) * mask
     return advantages, returns
+
+
+def group_stats(forest, credit) -> dict[str, float]:
+    """Sibling-group statistics for verl's logger: how many groups carry no signal (all siblings equal)."""
+    child = np.flatnonzero(~forest.is_root)
+    fork_child = child[forest.num_children[forest.parent[child]] >= 2]
+    if fork_child.size == 0:
+        return {"bpo/sibling_groups": 0.0}
+    parent = forest.parent[fork_child]
+    q_min = np.full(forest.size, np.inf)
+    q_max = np.full(forest.size, -np.inf)
+    np.minimum.at(q_min, parent, credit.q[fork_child])
+    np.maximum.at(q_max, parent, credit.q[fork_child])
+    groups = np.unique(parent)
+    return {
+        "bpo/sibling_groups": float(groups.size),
+        "bpo/zero_advantage_group_share": float(np.mean(q_max[groups] - q_min[groups] < 1e-12)),
+        "bpo/mean_abs_advantage": float(np.mean(np.abs(credit.advantage[fork_child]))),
+    }

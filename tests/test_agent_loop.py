@@ -1,0 +1,130 @@
+"""The `bpo_tree` agent loop inside verl's agent-loop API, without Ray or a GPU.
+
+A real (tiny, locally trained) tokenizer and verl's continuous-token builder; the LLM server is a scripted fake that
+returns real token ids. Sessions are launched the way verl's v1 worker does (all n tasks created before any runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+from verl_bpo.agent_loop import TREE_METRICS_KEY, BPOTreeAgentLoop
+from verl_bpo.estimator import compute_bpo_advantage
+from verl_bpo.tiny_model import build_tiny_model
+from verl_bpo.trainer import column, tree_metrics
+from verl_bpo.tree_meta import META_KEY
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+class TokenOutput:
+    def __init__(self, token_ids, log_probs):
+        self.token_ids, self.log_probs = token_ids, log_probs
+
+
+class FakeServer:
+    """Scripted fake of verl's LLMServerClient: a random smoke action, tokenized, with log-probs."""
+
+    def __init__(self, tokenizer, seed=0):
+        self.tokenizer, self.rng = tokenizer, random.Random(seed)
+        self.request_ids = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        self.request_ids.append(request_id)
+        action = self.rng.choice(["east", "west", "take key", "open door"])
+        ids = self.tokenizer.encode(action) + [self.tokenizer.eos_token_id]
+        return TokenOutput(ids, [math.log(0.25) / len(ids)] * len(ids))
+
+
+def make_config(estimator="bpo", n=4, **bpo):
+    base = {
+        "algorithm": {"adv_estimator": estimator, "gamma": 1.0},
+        "actor_rollout_ref": {"rollout": {"prompt_length": 512, "response_length": 256, "n": n,
+                                          "multi_turn": {}, "agent": {}}},
+        "data": {},
+        "bpo": {"k": 2, "k0": 2, "max_turns": 5, "sandbox": {"name": "smoke", "config": {}}, **bpo},
+    }
+    return OmegaConf.create(base)
+
+
+def make_loop(config, tokenizer, server):
+    return BPOTreeAgentLoop(
+        trainer_config=DictConfigWrap(config), server_manager=server, tokenizer=tokenizer, processor=None,
+        dataset_cls=None, data_config=DictConfigWrap(config.data), hf_model_type="qwen2",
+    )
+
+
+async def run_sessions(config, tokenizer, n, uid="uid-a", task_id=2):
+    server = FakeServer(tokenizer)
+    row = {"uid": uid, "index": 0, "extra_info": {"task": {"task_id": task_id}}}
+    # Like AgentLoopWorkerTQ._run_prompt: n tasks created in one go, each with its own loop instance.
+    tasks = [asyncio.create_task(make_loop(config, tokenizer, server).run({"temperature": 1.0}, session_id=i, **row))
+             for i in range(n)]
+    return await asyncio.gather(*tasks), server
+
+
+def test_sessions_of_one_uid_get_distinct_leaves_of_one_tree(tokenizer):
+    outputs, server = asyncio.run(run_sessions(make_config(n=6), tokenizer, n=6))
+    metas = [o.extra_fields[META_KEY] for o in outputs]
+    assert sorted(m["leaf_id"] for m in metas) == list(range(6))
+    assert {m["tree_id"] for m in metas} == {"uid-a"}
+    assert len({tuple(m["node_path"]) for m in metas}) == 6
+    assert np.isclose(sum(m["leaf_mass"] for m in metas), 1.0)
+    assert TREE_METRICS_KEY in outputs[0].extra_fields and TREE_METRICS_KEY not in outputs[1].extra_fields
+    assert set(server.request_ids) == {"bpo-uid-a"}
+    assert not BPOTreeAgentLoop._trees  # the registry entry is gone once every session collected
+    # The prompt is the chat-templated system + task message; environment tokens carry mask 0.
+    out = outputs[0]
+    assert tokenizer.decode(out.prompt_ids).startswith("<|im_start|>system")
+    assert 0 in out.response_mask and 1 in out.response_mask
+    assert len(out.response_logprobs) == len(out.response_ids) == len(out.response_mask)
+
+
+def test_metadata_round_trips_through_as_dict_and_the_transfer_queue_layout(tokenizer):
+    outputs, _ = asyncio.run(run_sessions(make_config(n=4), tokenizer, n=4))
+    fields = [o.as_dict() for o in outputs]
+    for f, o in zip(fields, outputs):
+        f["uid"] = "uid-a"
+        assert f["rm_scores"].sum().item() == pytest.approx(o.reward_score)
+    td = list_of_dict_to_tensordict(fields)
+    extra = column(td, "extra_fields")
+    assert [e[META_KEY] for e in extra] == [o.extra_fields[META_KEY] for o in outputs]
+    # The trainer's side: metrics from the fetched extra fields, then the estimator on the padded batch.
+    metrics = tree_metrics(["uid-a"] * 4, extra)
+    assert metrics["bpo/leaves"] == 4 and "bpo/failed_leaf_rate" in metrics
+    mask = torch.nn.utils.rnn.pad_sequence([f["response_mask"] for f in fields], batch_first=True).float()
+    scores = torch.nn.utils.rnn.pad_sequence([f["rm_scores"] for f in fields], batch_first=True)
+    adv, _ = compute_bpo_advantage(scores, mask, index=np.array(["uid-a"] * 4, dtype=object),
+                                   tree_meta=[e[META_KEY] for e in extra])
+    assert torch.all(adv[mask == 0] == 0)
+
+
+def test_validation_with_one_session_is_a_plain_episode(tokenizer):
+    outputs, _ = asyncio.run(run_sessions(make_config(n=4), tokenizer, n=1))
+    meta = outputs[0].extra_fields[META_KEY]
+    assert meta["leaf_mass"] == 1.0 and outputs[0].extra_fields[TREE_METRICS_KEY]["bpo/forks"] == 0
+
+
+def test_grpo_gets_flat_groups_through_the_same_loop(tokenizer):
+    outputs, _ = asyncio.run(run_sessions(make_config(estimator="grpo", n=4), tokenizer, n=4))
+    metas = [o.extra_fields[META_KEY] for o in outputs]
+    assert len({m["node_path"][1] for m in metas}) == 4  # four independent first turns
+    assert all(m["leaf_mass"] == 0.25 for m in metas)
+
+
+def test_bad_bpo_key_is_named(tokenizer):
+    with pytest.raises(ValueError, match=r"unknown bpo config key\(s\) \['kk'\]"):
+        asyncio.run(run_sessions(make_config(n=2, kk=3), tokenizer, n=2))

@@ -1,0 +1,151 @@
+"""verl agent loop ``bpo_tree``: the N sessions of one uid share one TreeSampler; each returns one leaf.
+
+verl 0.9.1's v1 trainer runs ``rollout.n`` sessions per prompt uid as asyncio tasks in one AgentLoopWorker
+process (``agent_loop_tq.py``: ``_run_prompt``), each calling ``run(sampling_params, session_id=i, uid=...)``.
+Session 0's arrival creates the uid's tree; every session awaits it and returns leaf ``session_id`` as an ordinary
+``AgentLoopOutput``: prompt + all turns, environment tokens with ``response_mask = 0``, rollout log-probs,
+``reward_score`` = the leaf return, and the tree metadata in ``extra_fields["bpo"]`` (plus the tree's metrics in
+``extra_fields["bpo_tree_metrics"]`` on leaf 0). The entry is dropped when the last session has collected.
+
+The number of sessions is counted, not configured: every session of a uid registers before the tree starts
+(``_run_prompt`` creates all n tasks before any runs), so validation (``val_kwargs.n``, often 1) gets plain
+independent episodes and training gets the configured tree. The sandbox and its task come from the dataset row:
+``extra_info.sandbox`` (``{"name": ..., "config": {...}}``, default ``bpo.sandbox``) and ``extra_info.task``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+
+from sandbox_adapters.registry import make_sandbox
+from verl_bpo.config import sampler_config_from
+from verl_bpo.sampler import Leaf, Transcript, TreeResult, TreeSampler
+from verl_bpo.tree_meta import META_KEY
+
+__all__ = ["AGENT_NAME", "BPOTreeAgentLoop", "VerlChatCodec"]
+
+logger = logging.getLogger(__name__)
+
+AGENT_NAME = "bpo_tree"
+TREE_METRICS_KEY = "bpo_tree_metrics"
+
+
+class VerlChatCodec:
+    """verl's continuous-token builder behind the sampler's ChatCodec protocol (masks and log-probs aligned)."""
+
+    def __init__(self, agent_loop: AgentLoopBase) -> None:
+        self.agent_loop = agent_loop
+
+    async def start(self, messages: list[dict[str, str]]) -> list[int]:
+        return await self.agent_loop.ct_build_initial_tokens(messages)
+
+    async def add_assistant(self, transcript: Transcript, token_ids: list[int], log_probs: list[float]) -> str:
+        merge, mask, logprobs = await self.agent_loop.ct_merge_assistant_token(
+            transcript.token_ids, token_ids, transcript.response_mask, transcript.response_logprobs,
+            assistant_logprobs=log_probs,
+        )
+        transcript.token_ids, transcript.response_mask, transcript.response_logprobs = merge.token_ids, mask, logprobs
+        text = self.agent_loop.tokenizer.decode(token_ids, skip_special_tokens=True)
+        transcript.messages.append({"role": "assistant", "content": text})
+        return text
+
+    async def add_user(self, transcript: Transcript, text: str) -> None:
+        previous = list(transcript.messages)
+        transcript.messages.append({"role": "user", "content": text})
+        merge, mask, logprobs = await self.agent_loop.ct_merge_context_msg(
+            previous, transcript.messages, transcript.token_ids, transcript.response_mask,
+            transcript.response_logprobs,
+        )
+        transcript.token_ids, transcript.response_mask, transcript.response_logprobs = merge.token_ids, mask, logprobs
+
+
+@dataclasses.dataclass
+class _TreeEntry:
+    sessions: set[int] = dataclasses.field(default_factory=set)
+    collected: int = 0
+    task: asyncio.Task | None = None
+
+
+@register(AGENT_NAME)
+class BPOTreeAgentLoop(AgentLoopBase):
+    """One session of a BPO tree (see the module docstring)."""
+
+    # Per worker process: the sessions of one uid all run in the same process and event loop.
+    _trees: ClassVar[dict[str, _TreeEntry]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("name", None)
+        kwargs.pop("tools", None)
+        super().__init__(*args, **kwargs)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list:
+        uid, session = str(kwargs["uid"]), int(kwargs.get("session_id", 0))
+        entry = self._trees.get(uid)
+        if entry is None:
+            entry = self._trees[uid] = _TreeEntry()
+            entry.task = asyncio.ensure_future(self._grow(entry, uid, sampling_params, kwargs))
+        entry.sessions.add(session)
+        try:
+            result: TreeResult = await asyncio.shield(entry.task)
+        finally:
+            entry.collected += 1
+            if entry.collected >= len(entry.sessions) and entry.task.done():
+                self._trees.pop(uid, None)
+        if session >= len(result.leaves):
+            return []  # fewer leaves than sessions (the budget could not be spent): this session has none
+        return self._output(result.leaves[session], result.metrics if session == 0 else None)
+
+    async def _grow(self, entry: _TreeEntry, uid: str, sampling_params: dict[str, Any], row: Mapping) -> TreeResult:
+        for _ in range(3):  # let every session of this uid register (they were all created before any ran)
+            await asyncio.sleep(0)
+        bpo_cfg = self.config.get("bpo", {})
+        estimator = self.config.algorithm.adv_estimator
+        config = sampler_config_from(bpo_cfg, n_leaves=len(entry.sessions), estimator=estimator,
+                                     response_length=self.rollout_config.response_length)
+        extra = dict(row.get("extra_info") or {})
+        sandbox_spec = _plain(extra.get("sandbox") or bpo_cfg.get("sandbox") or {"name": "smoke"})
+        name, sandbox_config = sandbox_spec["name"], sandbox_spec.get("config") or {}
+        task = _plain(extra.get("task") or {})
+        sampler = TreeSampler(
+            config, lambda: make_sandbox(name, sandbox_config), task, self.server_manager, VerlChatCodec(self),
+            tree_id=uid, sampling_params=sampling_params, seed=hash((uid, row.get("index", 0))) % (2**31),
+        )
+        return await sampler.run()
+
+    def _output(self, leaf: Leaf, tree_metrics: dict[str, float] | None) -> AgentLoopOutput:
+        transcript, length = leaf.transcript, self.rollout_config.response_length
+        extra_fields: dict[str, Any] = {
+            META_KEY: leaf.meta.to_dict(),
+            "bpo_leaf": {"env_steps": leaf.env_steps, "failed": leaf.failed, "truncated": leaf.truncated,
+                         "error": leaf.error},
+        }
+        if tree_metrics is not None:
+            extra_fields[TREE_METRICS_KEY] = tree_metrics
+        return AgentLoopOutput(
+            prompt_ids=transcript.token_ids[: transcript.prompt_length],
+            response_ids=transcript.response_ids[:length],
+            response_mask=transcript.response_mask[:length],
+            response_logprobs=transcript.response_logprobs[:length],
+            reward_score=leaf.reward,
+            num_turns=1 + 2 * leaf.meta.num_turns,
+            metrics=AgentLoopMetrics(),
+            extra_fields=extra_fields,
+        )
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers and numpy-backed dataset values as plain Python."""
+    if OmegaConf.is_config(value):
+        return OmegaConf.to_container(value, resolve=True)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
