@@ -107,7 +107,7 @@ def sampler_config_from(bpo_cfg: Any, n_leaves: int, estimator: str, response_le
     branching = BranchingConfig(
         n_leaves=n_leaves,
         k=cfg.k,
-        k0=n_leaves if flat else min(cfg.k if cfg.k0 is None else cfg.k0, n_leaves),
+        k0=n_leaves if flat else (min(cfg.k, n_leaves) if cfg.k0 is None else cfg.k0),
         score=cfg.score,
         selector=cfg.selector,
         max_forks_per_wave=cfg.max_forks_per_wave,

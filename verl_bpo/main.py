@@ -18,7 +18,7 @@ from verl.utils.device import auto_set_device
 
 import verl_bpo.estimator  # noqa: F401  (registers "bpo")
 from verl_bpo.agent_loop import AGENT_NAME
-from verl_bpo.config import BPOConfig
+from verl_bpo.config import BPOConfig, sampler_config_from
 from verl_bpo.estimator import ESTIMATOR_NAME
 
 __all__ = ["prepare_config", "main"]
@@ -51,6 +51,8 @@ def prepare_config(config: DictConfig) -> BPOConfig:
                 f"actor_rollout_ref.rollout.agent.default_agent_loop={rollout.agent.default_agent_loop}: the bpo "
                 f"estimator needs the tree agent loop; set it to {AGENT_NAME}"
             )
+    # Builds (and so validates) the sampler settings exactly as the agent loop will.
+    sampler_config_from(bpo, n_leaves=rollout.n, estimator=estimator, response_length=rollout.response_length)
     with open_dict(config):
         if not rollout.agent.get("agent_loop_config_path"):
             rollout.agent.agent_loop_config_path = str(AGENT_LOOPS_YAML)

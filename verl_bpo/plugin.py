@@ -11,6 +11,9 @@ without that variable nothing platform-related is imported.
 import os
 
 from verl_bpo import estimator  # noqa: F401  (registers "bpo" in verl's ADV_ESTIMATOR_REGISTRY)
+from verl_bpo.stock_launch import check_stock_launch
+
+check_stock_launch()  # exits with the fix if verl's stock main_ppo was asked for adv_estimator=bpo
 
 if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
     from verl_bpo.platforms import cpu  # noqa: F401  (registers verl's "cpu" platform + the gloo shim)
