@@ -128,3 +128,25 @@ def test_grpo_gets_flat_groups_through_the_same_loop(tokenizer):
 def test_bad_bpo_key_is_named(tokenizer):
     with pytest.raises(ValueError, match=r"unknown bpo config key\(s\) \['kk'\]"):
         asyncio.run(run_sessions(make_config(n=2, kk=3), tokenizer, n=2))
+
+
+def test_dataset_rows_from_verl_bpo_data_drive_the_loop(tokenizer, tmp_path):
+    import pandas as pd
+
+    from verl_bpo.data import sandbox_rows, write_sandbox_dataset
+
+    rows = sandbox_rows("smoke", [{"task_id": 1}, {"task_id": 5}], {"length": 5})
+    path = write_sandbox_dataset(tmp_path / "train.parquet", rows)
+    back = pd.read_parquet(path).to_dict("records")
+    assert back[0]["agent_name"] == "bpo_tree" and back[0]["prompt"][0]["role"] == "system"
+    row = {"uid": "uid-d", "index": 0, "extra_info": back[1]["extra_info"]}
+
+    async def go():
+        server = FakeServer(tokenizer)
+        loops = [make_loop(make_config(n=2), tokenizer, server) for _ in range(2)]
+        return await asyncio.gather(*(asyncio.create_task(lp.run({}, session_id=i, **row))
+                                      for i, lp in enumerate(loops)))
+
+    outputs = asyncio.run(go())
+    assert tokenizer.decode(outputs[0].prompt_ids).count("room") >= 1
+    assert {o.extra_fields[META_KEY]["tree_id"] for o in outputs} == {"uid-d"}

@@ -10,13 +10,15 @@ Session 0's arrival creates the uid's tree; every session awaits it and returns 
 The number of sessions is counted, not configured: every session of a uid registers before the tree starts
 (``_run_prompt`` creates all n tasks before any runs), so validation (``val_kwargs.n``, often 1) gets plain
 independent episodes and training gets the configured tree. The sandbox and its task come from the dataset row:
-``extra_info.sandbox`` (``{"name": ..., "config": {...}}``, default ``bpo.sandbox``) and ``extra_info.task``.
+``extra_info.sandbox`` (``{"name": ..., "config": {...}}`` or its JSON, default ``bpo.sandbox``) and
+``extra_info.task`` (a mapping or its JSON); ``verl_bpo.data`` writes such rows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -113,6 +115,8 @@ class BPOTreeAgentLoop(AgentLoopBase):
         sandbox_spec = _plain(extra.get("sandbox") or bpo_cfg.get("sandbox") or {"name": "smoke"})
         name, sandbox_config = sandbox_spec["name"], sandbox_spec.get("config") or {}
         task = _plain(extra.get("task") or {})
+        if not isinstance(task, Mapping):
+            raise ValueError(f"extra_info.task of uid {uid} must be a mapping (or its JSON), got {type(task).__name__}")
         sampler = TreeSampler(
             config, lambda: make_sandbox(name, sandbox_config), task, self.server_manager, VerlChatCodec(self),
             tree_id=uid, sampling_params=sampling_params, seed=hash((uid, row.get("index", 0))) % (2**31),
@@ -141,7 +145,9 @@ class BPOTreeAgentLoop(AgentLoopBase):
 
 
 def _plain(value: Any) -> Any:
-    """OmegaConf containers and numpy-backed dataset values as plain Python."""
+    """OmegaConf containers, JSON strings (verl_bpo.data writes them) and numpy values as plain Python."""
+    if isinstance(value, str):
+        return json.loads(value)
     if OmegaConf.is_config(value):
         return OmegaConf.to_container(value, resolve=True)
     if hasattr(value, "tolist"):
