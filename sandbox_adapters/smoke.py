@@ -62,6 +62,8 @@ class SmokeSandbox(Sandbox):
                 too, so a model that never acts still ends its episode.
             slip_prob: probability that a move leaves the agent where it was (default 0.0 = deterministic).
             seed: seed of the slip random number generator at reset (default 0; only used when ``slip_prob > 0``).
+            key_reward: reward for picking up the key (default 0.0). A shaping reward: it gives a barely trained
+                model's rollouts different returns more often, so short runs and tests see learning signal.
         """
 
         length: int = 4
@@ -69,6 +71,7 @@ class SmokeSandbox(Sandbox):
         max_steps: int = 12
         slip_prob: float = 0.0
         seed: int = 0
+        key_reward: float = 0.0
 
         def __post_init__(self) -> None:
             if self.length < 2:
@@ -148,7 +151,7 @@ class SmokeSandbox(Sandbox):
         state = self._state
         _, key_room, door_room = self._layout
         state.steps += 1
-        won = False
+        won, reward = False, 0.0
         if action in ("west", "east"):
             target = state.room + (1 if action == "east" else -1)
             if not 0 <= target < self.config.length:
@@ -161,6 +164,7 @@ class SmokeSandbox(Sandbox):
         elif action == "take key":
             if state.room == key_room and not state.has_key:
                 state.has_key = True
+                reward = self.config.key_reward
                 message = "You take the key."
             else:
                 message = "There is no key here."
@@ -179,7 +183,7 @@ class SmokeSandbox(Sandbox):
         if done and not won:
             text += "\nYou ran out of steps."
         info = {**self._info(), "won": won}
-        return StepResult(Observation(text, info), 1.0 if won else 0.0, done, info)
+        return StepResult(Observation(text, info), 1.0 if won else reward, done, info)
 
     def _describe(self) -> str:
         state = self._state

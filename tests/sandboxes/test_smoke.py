@@ -150,3 +150,13 @@ def test_crash_is_typed():
     sandbox._layout = None  # corrupt engine state: the transition raises a TypeError inside
     with pytest.raises(SandboxCrashed):
         sandbox.step("take key")
+
+
+def test_key_reward_shapes_the_key_pickup_only():
+    from sandbox_adapters.smoke import SmokeSandbox
+
+    box = SmokeSandbox(SmokeSandbox.Config(key_reward=0.25))
+    task = {"task_id": 2}
+    box.reset(task)
+    rewards = [box.step(a).reward for a in box.solution(task)]
+    assert rewards[-1] == 1.0 and 0.25 in rewards and sum(rewards) == 1.25

@@ -1,0 +1,136 @@
+"""Warm-start a tiny model so it speaks a sandbox's action format, with no preference among actions.
+
+A randomly initialised tiny model almost never writes a valid action, so every rollout earns the same reward and
+RL has nothing to compare. Before the CPU demo and the end-to-end tests train with RL, this module fine-tunes the
+tiny model (supervised, a few hundred steps on CPU) on transcripts of a **uniformly random** policy over the
+sandbox's admissible actions: the model learns the chat format and the action vocabulary, not which action is good.
+Anything it learns about winning afterwards comes from RL.
+
+    python -m verl_bpo.warm_start MODEL_DIR OUT_DIR --sandbox smoke --tasks 0-7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sandbox_adapters.registry import make_sandbox
+
+__all__ = ["random_policy_chats", "warm_start"]
+
+logger = logging.getLogger(__name__)
+_STAMP = "warm_start.json"
+
+
+def random_policy_chats(sandbox: str, sandbox_config: Mapping[str, Any] | None, tasks: Sequence[Mapping[str, Any]],
+                        episodes: int, max_turns: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """Chats (system, user, assistant, user, ...) of a policy that picks admissible actions uniformly at random."""
+    rng = random.Random(seed)
+    box = make_sandbox(sandbox, sandbox_config)
+    chats = []
+    try:
+        for i in range(episodes):
+            task = tasks[i % len(tasks)]
+            obs = box.reset(task)
+            chat = [{"role": "system", "content": box.system_prompt()},
+                    {"role": "user", "content": box.first_user_message(obs)}]
+            for _ in range(max_turns):
+                action = rng.choice(list(obs.info["admissible_commands"]))
+                chat.append({"role": "assistant", "content": action})
+                result = box.step(action)
+                if result.done:
+                    break
+                obs = result.observation
+                chat.append({"role": "user", "content": box.render_observation(obs)})
+            chats.append(chat)
+    finally:
+        box.close()
+    return chats
+
+
+def _tokenize(tokenizer, chat: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """Token ids of the whole chat and a mask that is 1 on assistant reply tokens (the end-of-turn token included)."""
+    ids, mask = [], []
+    for i in range(len(chat)):
+        prefix = tokenizer.apply_chat_template(chat[: i + 1], tokenize=True, add_generation_prompt=False)
+        prefix = list(prefix["input_ids"] if isinstance(prefix, Mapping) else prefix)
+        new = prefix[len(ids):]
+        if chat[i]["role"] == "assistant":
+            header = tokenizer.apply_chat_template(chat[:i], tokenize=True, add_generation_prompt=True)
+            header = list(header["input_ids"] if isinstance(header, Mapping) else header)
+            n_header = len(header) - len(ids)
+            mask += [0] * n_header + [1] * (len(new) - n_header)
+        else:
+            mask += [0] * len(new)
+        ids = prefix
+    return ids, mask
+
+
+def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: Sequence[Mapping[str, Any]],
+               sandbox_config: Mapping[str, Any] | None = None, episodes: int = 64, max_turns: int = 6,
+               steps: int = 150, batch_size: int = 8, lr: float = 3e-3, seed: int = 0) -> Path:
+    """Fine-tune ``model_dir`` on random-policy chats into ``out_dir`` (skipped if already done identically)."""
+    out = Path(out_dir)
+    settings = {"model_dir": str(model_dir), "sandbox": sandbox, "config": dict(sandbox_config or {}),
+                "tasks": [dict(t) for t in tasks], "episodes": episodes, "max_turns": max_turns, "steps": steps,
+                "batch_size": batch_size, "lr": lr, "seed": seed}
+    stamp = out / _STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()) == settings:
+        return out
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    data = [_tokenize(tokenizer, chat) for chat in random_policy_chats(
+        sandbox, sandbox_config, tasks, episodes, max_turns, seed)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(seed)
+    pad = tokenizer.pad_token_id
+    model.train()
+    for step in range(steps):
+        batch = [data[rng.randrange(len(data))] for _ in range(batch_size)]
+        length = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((batch_size, length), pad)
+        labels = torch.full((batch_size, length), -100)
+        attention = torch.zeros((batch_size, length), dtype=torch.long)
+        for row, (ids, mask) in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention[row, : len(ids)] = 1
+            labels[row, : len(ids)] = torch.where(torch.tensor(mask) == 1, torch.tensor(ids), -100)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0 or step == steps - 1:
+            logger.info("warm start step %d/%d: loss %.3f", step + 1, steps, loss.item())
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stamp.write_text(json.dumps(settings, indent=1))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--sandbox", default="smoke")
+    parser.add_argument("--tasks", default="0-7", help="task ids, e.g. 0-7 (task = {'task_id': i})")
+    parser.add_argument("--steps", type=int, default=150)
+    args = parser.parse_args(argv)
+    lo, _, hi = args.tasks.partition("-")
+    tasks = [{"task_id": i} for i in range(int(lo), int(hi or lo) + 1)]
+    logging.basicConfig(level=logging.INFO)
+    warm_start(args.model_dir, args.out_dir, args.sandbox, tasks, steps=args.steps)
+
+
+if __name__ == "__main__":
+    main()
