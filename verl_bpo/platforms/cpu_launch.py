@@ -56,6 +56,7 @@ def cpu_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         WANDB_MODE="disabled",
         TOKENIZERS_PARALLELISM="false",
+        HYDRA_FULL_ERROR="1",  # the whole traceback in CI logs, not hydra's one-line summary
     )
     return env
 
