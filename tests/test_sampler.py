@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fakes import CountingSmoke, CrashingSmoke, HangingSmoke, ScriptedLLM, UnrestorableSmoke, WordCodec
+from tests.fakes import (
+    WORD_ID,
+    CountingSmoke,
+    CrashingSmoke,
+    Generation,
+    HangingSmoke,
+    ScriptedLLM,
+    UnrestorableSmoke,
+    WordCodec,
+)
 from verl_bpo.branching import BranchingConfig
 from verl_bpo.estimator import compute_bpo_advantage
 from verl_bpo.sampler import SamplerConfig, TreeSampler
@@ -132,3 +141,23 @@ def test_credit_on_sampled_trees_is_finite():
     result, _ = grow(BranchingConfig(n_leaves=8, k=2, k0=2), seed=5)
     credit = compute_credit(leaf_rows(result).forest)
     assert np.all(np.isfinite(credit.advantage))
+
+
+def test_success_rate_counts_won_leaves():
+    class Solver(ScriptedLLM):
+        """Always plays the task's solution (the fake knows the smoke layout)."""
+
+        def __init__(self):
+            super().__init__()
+            self.plan = CountingSmoke().solution(TASK)
+            CountingSmoke.live -= 1
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params):
+            turn = sum(1 for t in prompt_ids if t == 1)  # one <eos> per earlier turn
+            ids = [WORD_ID[w] for w in self.plan[min(turn, len(self.plan) - 1)].split()] + [WORD_ID["<eos>"]]
+            return Generation(ids, [-0.1] * len(ids))
+
+    config = SamplerConfig(branching=BranchingConfig(n_leaves=4, k=2, k0=2), max_turns=8, response_length=512)
+    result = asyncio.run(TreeSampler(config, CountingSmoke, TASK, Solver(), WordCodec(), tree_id="s").run())
+    assert result.metrics["bpo/success_rate"] == 1.0 and all(leaf.won for leaf in result.leaves)
+    assert result.metrics["bpo/leaf_return"] == 1.0

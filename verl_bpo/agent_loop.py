@@ -128,7 +128,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
         extra_fields: dict[str, Any] = {
             META_KEY: leaf.meta.to_dict(),
             "bpo_leaf": {"env_steps": leaf.env_steps, "failed": leaf.failed, "truncated": leaf.truncated,
-                         "error": leaf.error},
+                         "won": leaf.won, "error": leaf.error},
         }
         if tree_metrics is not None:
             extra_fields[TREE_METRICS_KEY] = tree_metrics

@@ -130,6 +130,7 @@ class Leaf:
         reward: the leaf return (undiscounted sum of its turn rewards; 0 if failed).
         failed: the sandbox crashed, timed out or failed to restore on this path.
         truncated: the path hit ``max_turns`` or the response budget before the episode ended.
+        won: the sandbox reported ``info["won"]`` on the final step (success, for success-rate metrics).
         env_steps: sandbox steps taken along the whole path (shared prefix included).
         error: a short description of the failure, if any.
     """
@@ -139,6 +140,7 @@ class Leaf:
     reward: float
     failed: bool = False
     truncated: bool = False
+    won: bool = False
     env_steps: int = 0
     error: str | None = None
 
@@ -168,6 +170,7 @@ class _Path:
     done: bool = False
     failed: bool = False
     truncated: bool = False
+    won: bool = False
     error: str | None = None
 
 
@@ -378,7 +381,7 @@ class TreeSampler:
         path.turn_rewards.append(float(result.reward))
         out_of_room = len(transcript.response_mask) >= self.config.response_length
         if result.done or path.depth >= self.config.max_turns or out_of_room:
-            path.done, path.truncated = True, not result.done
+            path.done, path.truncated, path.won = True, not result.done, bool(result.info.get("won", False))
             await self._close(path)
             return
         await self.codec.add_user(transcript, path.sandbox.render_observation(result.observation))
@@ -395,7 +398,8 @@ class TreeSampler:
             rewards = [0.0] * len(p.turn_rewards) if p.failed else p.turn_rewards
             meta = LeafMeta(self.tree_id, leaf_id, tuple(p.node_path), tuple(p.transcript.turn_spans(length)),
                             p.mass, tuple(rewards), p.failed)
-            leaves.append(Leaf(p.transcript, meta, float(sum(rewards)), p.failed, p.truncated, p.env_steps, p.error))
+            leaves.append(Leaf(p.transcript, meta, float(sum(rewards)), p.failed, p.truncated, p.won, p.env_steps,
+                               p.error))
 
         turns = self._next_node - 1
         children: dict[int, set[int]] = {}
@@ -411,6 +415,8 @@ class TreeSampler:
             "bpo/unspent_leaf_budget": float(max(budget.leaves_left, 0)),
             "bpo/failed_leaves": float(sum(leaf.failed for leaf in leaves)),
             "bpo/truncated_leaves": float(sum(leaf.truncated for leaf in leaves)),
+            "bpo/success_rate": sum(leaf.won for leaf in leaves) / max(len(leaves), 1),
+            "bpo/leaf_return": sum(leaf.reward for leaf in leaves) / max(len(leaves), 1),
             "bpo/turns": float(turns),
             "bpo/mean_segment_turns": turns / max(segments, 1),
             "bpo/env_steps_per_leaf": sum(p.env_steps for p in paths) / max(len(leaves), 1),
