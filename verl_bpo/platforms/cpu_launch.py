@@ -17,7 +17,7 @@ Ray + vLLM-CPU can hang instead of failing (a TransferQueue storage unit that ca
 worker), so :func:`run_trainer` always runs the trainer under ``timeout`` and calls ``ray stop --force`` afterwards
 (this stops *every* Ray cluster of this user on the machine; fine on a CI machine the job owns).
 
-Example, the stock GRPO trainer for 2 steps (~90-120 s and ~8 GB RAM on 2 cores)::
+Example, the stock GRPO trainer for 2 steps (measured on 2 cores: 2.5-3.5 min, ~6 GB RAM above idle)::
 
     from verl_bpo.platforms import cpu_launch as L
     from verl_bpo.tiny_model import build_tiny_model
