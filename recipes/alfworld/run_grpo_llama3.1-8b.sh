@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# ALFWorld, Llama-3.1-8B-Instruct. GRPO baseline: 8 independent episodes per task.
+# Assumes one node of 8x H100 80GB (recipes/common.sh).
+# Matched compute with run_bpo_llama3.1-8b.sh and run_rloo_llama3.1-8b.sh: same leaves per task, batch, steps and
+# lengths; only algorithm.adv_estimator differs. Extra hydra overrides: "$@". Data, metrics: recipes/README.md.
+set -euo pipefail
+MODEL_PATH=${MODEL_PATH:-meta-llama/Llama-3.1-8B-Instruct}
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+bpo_recipe grpo llama3.1-8b "$@"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# SWE-bench (validation: SWE-bench Verified), Llama-3.1-8B-Instruct. BPO: one tree of 8 leaves per task, forks of K=2.
+# Assumes one node of 8x H100 80GB (recipes/common.sh).
+# Matched compute with run_grpo_llama3.1-8b.sh and run_rloo_llama3.1-8b.sh: same leaves per task, batch, steps and
+# lengths; only algorithm.adv_estimator differs. Extra hydra overrides: "$@". Data, metrics: recipes/README.md.
+set -euo pipefail
+MODEL_PATH=${MODEL_PATH:-meta-llama/Llama-3.1-8B-Instruct}
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+bpo_recipe bpo llama3.1-8b "$@"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# WebShop, Qwen2.5-7B-Instruct. GRPO baseline: 8 independent episodes per task.
+# Assumes one node of 8x H100 80GB (recipes/common.sh).
+# Matched compute with run_bpo_qwen2.5-7b.sh and run_rloo_qwen2.5-7b.sh: same leaves per task, batch, steps and
+# lengths; only algorithm.adv_estimator differs. Extra hydra overrides: "$@". Data, metrics: recipes/README.md.
+set -euo pipefail
+MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-7B-Instruct}
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+bpo_recipe grpo qwen2.5-7b "$@"

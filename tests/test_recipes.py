@@ -1,0 +1,302 @@
+"""The GPU recipes (recipes/<benchmark>/run_*.sh) and their data preparation (python -m verl_bpo.prepare_data).
+
+No GPU, no Ray: each script runs with VERL_BPO_DRY_RUN=1, which prints its command one argument per line; the
+overrides are composed with hydra on verl_bpo/config/bpo_trainer.yaml and go through the same checks as
+`python -m verl_bpo.main` (prepare_config, then verl's validate_config). The prepare-data commands run end to end on
+this project's generated smoke data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import verl_bpo
+from verl_bpo import prepare_data
+from verl_bpo.config import sampler_config_from
+from verl_bpo.data import sandbox_rows
+from verl_bpo.main import AGENT_LOOPS_YAML, prepare_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+CONFIG_DIR = str(Path(verl_bpo.__file__).parent / "config")
+
+BENCHMARKS = {"webshop": 15, "alfworld": 50, "swebench": 30}  # benchmark -> bpo.max_turns
+MODELS = {"qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
+ESTIMATORS = ("bpo", "grpo", "rloo")
+SCRIPTS = [RECIPES / b / f"run_{e}_{m}.sh" for b, m, e in itertools.product(BENCHMARKS, MODELS, ESTIMATORS)]
+# What a comparison may differ in: the estimator, and the experiment name that says which estimator it is.
+ESTIMATOR_KEYS = {"algorithm.adv_estimator", "trainer.experiment_name"}
+RECIPE_ENV = ("DATA_DIR", "MODEL_PATH", "PYTHON", "PROJECT_NAME", "NNODES", "N_GPUS_PER_NODE", "ROLLOUT_TP")
+
+
+def dry_run(script: Path, *extra: str, **env: str) -> list[str]:
+    """The command a recipe would run: [python, -m, verl_bpo.main, overrides...]."""
+    base = {k: v for k, v in os.environ.items() if k not in RECIPE_ENV}
+    out = subprocess.run(["bash", str(script), *extra], env={**base, "VERL_BPO_DRY_RUN": "1", **env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def overrides_of(script: Path, *extra: str, **env: str) -> list[str]:
+    command = dry_run(script, *extra, **env)
+    assert command[:3] == ["python3", "-m", "verl_bpo.main"], command[:3]
+    return command[3:]
+
+
+def compose_recipe(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name="bpo_trainer", overrides=overrides)
+
+
+def flat(cfg) -> dict[str, object]:
+    """Unresolved config as {dotted key: value} (interpolations compare as their text)."""
+    out: dict[str, object] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return out
+
+
+def test_every_benchmark_has_bpo_grpo_rloo_for_both_models():
+    found = sorted(RECIPES.glob("*/run_*.sh"))
+    assert found == sorted(SCRIPTS)
+    for script in SCRIPTS:
+        assert os.access(script, os.X_OK), f"{script} is not executable"
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        # the shared settings live in the benchmark's common.sh, not in the run scripts
+        assert len(script.read_text().splitlines()) < 15
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_recipe_composes_validates_and_resolves_to_its_components(script):
+    benchmark, estimator = script.parent.name, script.stem.split("_")[1]
+    model_tag = script.stem.split("_", 2)[2]
+    cfg = compose_recipe(overrides_of(script))
+    bpo = prepare_config(cfg)  # what `python -m verl_bpo.main` checks before Ray starts
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+    rollout, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    assert cfg.algorithm.adv_estimator == estimator
+    # baselines run through the same tree agent loop, which gives them flat groups under bpo.mode=auto
+    assert rollout.agent.default_agent_loop == "bpo_tree"
+    assert rollout.agent.agent_loop_config_path == str(AGENT_LOOPS_YAML)
+    assert actor.loss_agg_mode == "seq-mean-token-sum-norm"
+    assert actor.loss_scale_factor == cfg.data.max_response_length
+    assert bpo.mode == "auto" and bpo.k == 2 and bpo.max_turns == BENCHMARKS[benchmark]
+    assert bpo.sandbox.name == benchmark
+    assert rollout.n == 8 and rollout.name == "vllm" and rollout.enable_prefix_caching
+    sampler = sampler_config_from(bpo, n_leaves=rollout.n, estimator=estimator, response_length=rollout.response_length)
+    assert sampler.branching.root_k == (2 if estimator == "bpo" else 8)  # a tree, or N independent episodes
+    assert sampler.max_turns == BENCHMARKS[benchmark]
+
+    assert actor.optim.lr == 1e-6 and actor.use_kl_loss and actor.kl_loss_type == "low_var_kl"
+    assert cfg.actor_rollout_ref.model.path == MODELS[model_tag]
+    assert list(cfg.trainer.logger) == ["console", "wandb"]
+    assert cfg.trainer.project_name == f"verl_bpo_{benchmark}"
+    assert cfg.trainer.experiment_name == f"{estimator}_{model_tag}_n8"
+    assert cfg.trainer.n_gpus_per_node == 8 and cfg.trainer.nnodes == 1
+    assert cfg.data.train_files.endswith(f"data/bpo/{benchmark}/train.parquet")
+    # a whole sequence fits one (sequence-parallel) micro batch
+    seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    assert actor.ppo_max_token_len_per_gpu * actor.ulysses_sequence_parallel_size >= seq_len
+    # the episode limit written into the prepared rows matches the recipe's turn limit
+    assert prepare_data.BENCHMARKS[benchmark][2]["max_steps"] == bpo.max_turns
+
+
+@pytest.mark.parametrize("benchmark,model", list(itertools.product(BENCHMARKS, MODELS)))
+def test_bpo_and_baselines_differ_only_in_the_estimator(benchmark, model):
+    overrides = {e: overrides_of(RECIPES / benchmark / f"run_{e}_{model}.sh") for e in ESTIMATORS}
+    configs = {e: flat(compose_recipe(o)) for e, o in overrides.items()}
+    for estimator in ("grpo", "rloo"):
+        changed = {line.split("=", 1)[0] for line in set(overrides["bpo"]) ^ set(overrides[estimator])}
+        assert changed == ESTIMATOR_KEYS
+        assert len(overrides["bpo"]) == len(overrides[estimator])
+        a, b = configs["bpo"], configs[estimator]
+        assert a.keys() == b.keys()
+        assert {k for k in a if a[k] != b[k]} == ESTIMATOR_KEYS
+    compute = ("actor_rollout_ref.rollout.n", "data.train_batch_size", "trainer.total_training_steps",
+               "data.max_prompt_length", "data.max_response_length", "bpo.max_turns", "bpo.max_tokens_per_turn")
+    assert len({tuple(c[k] for k in compute) for c in configs.values()}) == 1
+
+
+@pytest.mark.parametrize("benchmark", BENCHMARKS)
+def test_the_two_models_share_every_setting_but_the_model(benchmark):
+    qwen, llama = (flat(compose_recipe(overrides_of(RECIPES / benchmark / f"run_bpo_{m}.sh"))) for m in MODELS)
+    assert {k for k in qwen if qwen[k] != llama[k]} == {"actor_rollout_ref.model.path", "trainer.experiment_name"}
+
+
+def test_environment_and_extra_overrides_reach_the_command(tmp_path):
+    script = RECIPES / "alfworld" / "run_bpo_qwen2.5-7b.sh"
+    overrides = overrides_of(script, "trainer.total_training_steps=3", "bpo.k=4",
+                             MODEL_PATH="/models/qwen", DATA_DIR=str(tmp_path), N_GPUS_PER_NODE="4")
+    assert overrides[-2:] == ["trainer.total_training_steps=3", "bpo.k=4"]  # "$@" last, so it wins
+    cfg = compose_recipe(overrides)
+    assert cfg.actor_rollout_ref.model.path == "/models/qwen"
+    assert cfg.data.train_files == str(tmp_path / "train.parquet")
+    assert cfg.data.val_files == str(tmp_path / "val.parquet")
+    assert cfg.trainer.n_gpus_per_node == 4 and cfg.trainer.total_training_steps == 3 and cfg.bpo.k == 4
+    command = dry_run(script, PYTHON="/opt/py/bin/python")
+    assert command[:3] == ["/opt/py/bin/python", "-m", "verl_bpo.main"]
+
+
+# --- data preparation -------------------------------------------------------------------------------------------
+
+
+def read_rows(path: Path) -> list[dict]:
+    assert path.is_file(), path
+    return pd.read_parquet(path).to_dict("records")
+
+
+def check_rows(rows: list[dict], benchmark: str, split: str) -> list[dict]:
+    """verl's columns, the tree agent loop, the sandbox spec and the task in extra_info; returns the tasks."""
+    assert rows
+    tasks = []
+    for i, row in enumerate(rows):
+        assert row["agent_name"] == "bpo_tree" and row["data_source"] == f"bpo/{benchmark}"
+        assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+        extra = row["extra_info"]
+        assert extra["split"] == split and extra["index"] == i
+        assert json.loads(extra["sandbox"])["name"] == benchmark
+        tasks.append(json.loads(extra["task"]))
+    return tasks
+
+
+def sandbox_config(rows: list[dict]) -> dict:
+    configs = {row["extra_info"]["sandbox"] for row in rows}
+    assert len(configs) == 1
+    return json.loads(configs.pop())["config"]
+
+
+def test_agent_name_matches_the_agent_loop():
+    from verl_bpo.agent_loop import AGENT_NAME
+
+    assert prepare_data.AGENT_NAME == AGENT_NAME
+
+
+def test_placeholder_rows_have_the_rendered_rows_schema():
+    tasks = [{"task_id": 0}, {"task_id": 1}]
+    rendered = sandbox_rows("smoke", tasks, {"length": 3}, split="val")
+    placeholder = prepare_data.placeholder_rows("smoke", tasks, {"length": 3}, split="val")
+    for a, b in zip(rendered, placeholder, strict=True):
+        assert a.keys() == b.keys() and a["extra_info"] == b["extra_info"]
+        assert {k: v for k, v in a.items() if k != "prompt"} == {k: v for k, v in b.items() if k != "prompt"}
+        assert "placeholder" in b["prompt"][0]["content"]
+
+
+def test_webshop_generated_catalogue_with_the_labelled_fake(tmp_path):
+    out = tmp_path / "webshop"
+    prepare_data.main(["webshop", "--out", str(out), "--generate", "12", "--engine", "fake",
+                       "--train-goals", "4:", "--val-goals", "0:4"])
+    train, val = read_rows(out / "train.parquet"), read_rows(out / "val.parquet")
+    assert check_rows(train, "webshop", "train") == [{"goal_index": i} for i in range(4, 12)]  # open end: all goals
+    assert check_rows(val, "webshop", "val") == [{"goal_index": i} for i in range(4)]
+    config = sandbox_config(train)
+    assert config == {"engine": "fake", "data_dir": str(out / "source"), "max_steps": 15}
+    assert "search[" in train[0]["prompt"][0]["content"] and "Instruction" in train[0]["prompt"][1]["content"]
+
+
+def test_webshop_without_the_real_engine_never_falls_back_to_the_fake(tmp_path, monkeypatch):
+    from sandbox_adapters.webshop_data import generate_catalogue
+
+    monkeypatch.delenv("WEBSHOP_ROOT", raising=False)
+    data = tmp_path / "catalogue"
+    generate_catalogue(str(data), num=5, seed=0)
+    args = ["webshop", "--out", str(tmp_path / "out"), "--data-dir", str(data)]
+    with pytest.raises(SystemExit, match="--no-render"):
+        prepare_data.main(args)
+    with pytest.raises(SystemExit, match="explicit goal ranges"):
+        prepare_data.main([*args, "--no-render"])  # the default train range 1500: is open-ended
+    prepare_data.main([*args, "--no-render", "--train-goals", "1500:1510", "--val-goals", "0:3",
+                       "--webshop-root", "/opt/WebShop", "--sandbox-config", "max_steps=12"])
+    train = read_rows(tmp_path / "out" / "train.parquet")
+    assert check_rows(train, "webshop", "train") == [{"goal_index": i} for i in range(1500, 1510)]
+    assert sandbox_config(train) == {"engine": "web_agent_site", "data_dir": str(data), "webshop_root": "/opt/WebShop",
+                                     "max_steps": 12}
+    assert "placeholder" in train[0]["prompt"][0]["content"]
+    assert not (tmp_path / "out" / "source").exists()
+
+
+@pytest.fixture(scope="module")
+def alfworld_out(tmp_path_factory):
+    pytest.importorskip("alfworld")
+    out = tmp_path_factory.mktemp("alfworld")
+    prepare_data.main(["alfworld", "--out", str(out), "--generate", "2", "--task-types", "pick_and_place_simple",
+                       "--max-val", "1"])
+    return out
+
+
+def test_alfworld_generated_games(alfworld_out):
+    train, val = read_rows(alfworld_out / "train.parquet"), read_rows(alfworld_out / "val.parquet")
+    train_tasks, val_tasks = check_rows(train, "alfworld", "train"), check_rows(val, "alfworld", "val")
+    assert len(train_tasks) == 2 and len(val_tasks) == 1
+    for task in train_tasks + val_tasks:
+        assert Path(task["game"]).is_absolute() and Path(task["game"]).is_file()
+    assert all("/train/" in t["game"] for t in train_tasks) and "/valid_unseen/" in val_tasks[0]["game"]
+    assert sandbox_config(train) == {"max_steps": 50}
+    assert "Your task is to" in train[0]["prompt"][1]["content"]
+
+
+def test_alfworld_data_dir_and_env_var_without_rendering(alfworld_out, tmp_path, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_out / "source"))
+    prepare_data.main(["alfworld", "--out", str(tmp_path), "--no-render", "--val-split", "train"])
+    train, val = read_rows(tmp_path / "train.parquet"), read_rows(tmp_path / "val.parquet")
+    rendered = [json.loads(r["extra_info"]["task"]) for r in read_rows(alfworld_out / "train.parquet")]
+    assert check_rows(train, "alfworld", "train") == rendered == check_rows(val, "alfworld", "val")
+    assert "placeholder" in train[0]["prompt"][0]["content"]
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the SWE sandbox confines commands with bubblewrap")
+def test_swebench_generated_tasks_and_instance_files(tmp_path):
+    pytest.importorskip("swebench")
+    out = tmp_path / "swe"
+    prepare_data.main(["swebench", "--out", str(out), "--generate", "3"])
+    train, val = read_rows(out / "train.parquet"), read_rows(out / "val.parquet")
+    train_tasks, val_tasks = check_rows(train, "swebench", "train"), check_rows(val, "swebench", "val")
+    assert len(train_tasks) == 3 and len(val_tasks) == 1
+    for task in train_tasks + val_tasks:
+        assert Path(task["repo_path"], ".git").is_dir() and {"base_commit", "eval_script"} <= task.keys()
+    assert sandbox_config(train) == {"max_steps": 30, "max_output_chars": 4000}
+    assert "Issue:" in train[0]["prompt"][1]["content"]
+    # The path a user takes with real data: instance files (SWE-bench's own loader) next to repos/ checkouts.
+    again = tmp_path / "again"
+    prepare_data.main(["swebench", "--out", str(again), "--no-render",
+                       "--train-instances", str(out / "source" / "train" / "instances.jsonl"),
+                       "--val-instances", str(out / "source" / "val" / "instances.jsonl")])
+    assert check_rows(read_rows(again / "train.parquet"), "swebench", "train") == train_tasks
+    assert check_rows(read_rows(again / "val.parquet"), "swebench", "val") == val_tasks
+    with pytest.raises(SystemExit, match="--val-instances"):
+        prepare_data.main(["swebench", "--out", str(tmp_path / "x"),
+                           "--train-instances", str(out / "source" / "train" / "instances.jsonl")])
+
+
+def test_prepare_data_runs_as_a_module(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "verl_bpo.prepare_data", "webshop", "--out", str(tmp_path), "--generate", "6",
+         "--engine", "fake", "--train-goals", "2:6", "--val-goals", "0:2"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "4 train rows" in out.stdout and "2 val rows" in out.stdout and "not WebShop" in out.stdout
+    assert len(read_rows(tmp_path / "train.parquet")) == 4
