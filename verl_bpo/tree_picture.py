@@ -1,0 +1,137 @@
+"""Grow one BPO tree with a local Hugging Face model (no server) and draw it: forks, returns, advantages.
+
+Used by the CPU demo. The LLM client and chat codec here are small in-process stand-ins for verl's server and
+continuous-token builder, good enough to sample a tree for a picture; training always goes through verl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sandbox_adapters.registry import make_sandbox
+from verl_bpo.branching import BranchingConfig
+from verl_bpo.sampler import SamplerConfig, Transcript, TreeResult, TreeSampler
+from verl_bpo.tree import compute_credit
+from verl_bpo.tree_meta import build_leaf_rows
+
+__all__ = ["HFClient", "TemplateCodec", "sample_tree", "draw_tree", "draw_sampled_tree"]
+
+
+class HFClient:
+    """Samples a turn with ``model.generate`` and returns the sampled tokens' log-probs."""
+
+    def __init__(self, model: Any, tokenizer: Any, temperature: float = 1.0) -> None:
+        self.model, self.tokenizer, self.temperature = model, tokenizer, temperature
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any]):
+        import torch
+
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                      temperature=self.temperature, max_new_tokens=sampling_params.get("max_tokens", 8),
+                                      output_scores=True, return_dict_in_generate=True,
+                                      pad_token_id=self.tokenizer.pad_token_id)
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        log_probs = [torch.log_softmax(score[0], -1)[t].item() for score, t in zip(out.scores, tokens)]
+        return type("Generation", (), {"token_ids": tokens, "log_probs": log_probs})()
+
+
+class TemplateCodec:
+    """Chat-template codec: each new message's tokens are the suffix the template adds to the previous chat."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    async def start(self, messages):
+        return self._render(messages, True)
+
+    async def add_assistant(self, transcript: Transcript, token_ids, log_probs):
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        transcript.token_ids += token_ids
+        transcript.response_mask += [1] * len(token_ids)
+        transcript.response_logprobs += list(log_probs)
+        transcript.messages.append({"role": "assistant", "content": text})
+        return text
+
+    async def add_user(self, transcript: Transcript, text: str):
+        transcript.messages.append({"role": "user", "content": text})
+        suffix = self._render(transcript.messages, True)[len(transcript.token_ids):]
+        transcript.token_ids += suffix
+        transcript.response_mask += [0] * len(suffix)
+        transcript.response_logprobs += [0.0] * len(suffix)
+
+
+def sample_tree(model_dir: str | Path, sandbox: str, sandbox_config: Mapping, task: Mapping, n_leaves: int,
+                max_turns: int = 6, seed: int = 0) -> TreeResult:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    config = SamplerConfig(branching=BranchingConfig(n_leaves=n_leaves, k=2, k0=2, max_forks_per_wave=2),
+                           max_turns=max_turns, response_length=1024, max_tokens_per_turn=6)
+    sampler = TreeSampler(config, lambda: make_sandbox(sandbox, sandbox_config), task, HFClient(model, tokenizer),
+                          TemplateCodec(tokenizer), tree_id="picture", seed=seed)
+    return asyncio.run(sampler.run())
+
+
+def draw_tree(result: TreeResult, path: Path, title: str = "") -> None:
+    """Nodes by depth, leaves spread left to right; fork nodes marked;
+    each segment's first edge annotated with its advantage A, each leaf with its return."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metas = [leaf.meta for leaf in result.leaves]
+    rows = build_leaf_rows(metas, None, np.array([leaf.reward for leaf in result.leaves]),
+                           np.full(len(metas), 10**6), np.ones(len(metas), dtype=bool))
+    forest, credit = rows.forest, compute_credit(rows.forest)
+    x = np.zeros(forest.size)
+    order = sorted(range(len(metas)), key=lambda i: metas[i].node_path)  # depth-first order: no crossing edges
+    x[rows.leaf_node[order]] = np.arange(len(metas))
+    for level in reversed(forest.levels()[1:]):  # a parent sits above the mean of its children
+        sums, counts = np.zeros(forest.size), np.zeros(forest.size)
+        np.add.at(sums, forest.parent[level], x[level])
+        np.add.at(counts, forest.parent[level], 1)
+        inner = np.unique(forest.parent[level])
+        x[inner] = sums[inner] / counts[inner]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(metas)), 1.2 * (forest.depth.max() + 2)))
+    for n in range(1, forest.size):
+        p = forest.parent[n]
+        ax.plot([x[p], x[n]], [-forest.depth[p], -forest.depth[n]], color="0.6", zorder=1)
+        if credit.segment_top[n] == n and forest.num_children[p] >= 2:
+            a = credit.advantage[n]
+            ax.annotate(f"A={a:+.2f}", ((x[p] + x[n]) / 2, -(forest.depth[p] + forest.depth[n]) / 2),
+                        fontsize=7, color="tab:red" if a < 0 else "tab:green", ha="center")
+    fork = forest.num_children >= 2
+    ax.scatter(x[~fork], -forest.depth[~fork], s=18, color="0.3", zorder=2)
+    ax.scatter(x[fork], -forest.depth[fork], s=70, marker="D", color="tab:blue", zorder=3, label="fork (snapshot)")
+    for leaf, node in zip(result.leaves, rows.leaf_node):
+        ax.annotate(f"R={leaf.reward:.1f}" + (" won" if leaf.won else ""), (x[node], -forest.depth[node] - 0.35),
+                    ha="center", fontsize=7)
+    ax.set_ylim(-forest.depth.max() - 0.8, 0.4)
+    ax.set_yticks([-d for d in range(forest.depth.max() + 1)], [f"turn {d}" for d in range(forest.depth.max() + 1)])
+    ax.set_xticks([])
+    ax.set_title(title or f"One BPO tree: {len(metas)} leaves, {int(fork.sum())} forks (LOO sibling advantages)")
+    ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def draw_sampled_tree(model_dir: str | Path, path: Path, sandbox_config: Mapping, task: Mapping, n_leaves: int) -> None:
+    result = sample_tree(model_dir, "smoke", sandbox_config, task, n_leaves)
+    draw_tree(result, path)
+
