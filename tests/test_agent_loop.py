@@ -31,8 +31,10 @@ def tokenizer(tmp_path_factory):
 
 
 class TokenOutput:
-    def __init__(self, token_ids, log_probs):
+    def __init__(self, token_ids, log_probs, step=3):
         self.token_ids, self.log_probs = token_ids, log_probs
+        # as verl's LLMServerClient.generate fills them: the weight version that produced the tokens
+        self.extra_fields = {"global_steps": step, "min_global_steps": step, "max_global_steps": step}
 
 
 class FakeServer:
@@ -86,6 +88,8 @@ def test_sessions_of_one_uid_get_distinct_leaves_of_one_tree(tokenizer):
     assert TREE_METRICS_KEY in outputs[0].extra_fields and TREE_METRICS_KEY not in outputs[1].extra_fields
     assert set(server.request_ids) == {"bpo-uid-a"}
     assert not BPOTreeAgentLoop._trees  # the registry entry is gone once every session collected
+    # verl's trainer reads every row's weight-version range (trainer_base._compute_metrics).
+    assert all(o.extra_fields["min_global_steps"] == o.extra_fields["max_global_steps"] == 3 for o in outputs)
     # The prompt is the chat-templated system + task message; environment tokens carry mask 0.
     out = outputs[0]
     assert tokenizer.decode(out.prompt_ids).startswith("<|im_start|>system")

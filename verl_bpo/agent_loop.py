@@ -102,7 +102,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
                 self._trees.pop(uid, None)
         if session >= len(result.leaves):
             return []  # fewer leaves than sessions (the budget could not be spent): this session has none
-        return self._output(result.leaves[session], result.metrics if session == 0 else None)
+        return self._output(result.leaves[session], result.metrics if session == 0 else None, result.weight_versions)
 
     async def _grow(self, entry: _TreeEntry, uid: str, sampling_params: dict[str, Any], row: Mapping) -> TreeResult:
         for _ in range(3):  # let every session of this uid register (they were all created before any ran)
@@ -123,9 +123,11 @@ class BPOTreeAgentLoop(AgentLoopBase):
         )
         return await sampler.run()
 
-    def _output(self, leaf: Leaf, tree_metrics: dict[str, float] | None) -> AgentLoopOutput:
+    def _output(self, leaf: Leaf, tree_metrics: dict[str, float] | None,
+                weight_versions: dict[str, int]) -> AgentLoopOutput:
         transcript, length = leaf.transcript, self.rollout_config.response_length
         extra_fields: dict[str, Any] = {
+            **weight_versions,  # verl tags each row with the model versions that generated it
             META_KEY: leaf.meta.to_dict(),
             "bpo_leaf": {"env_steps": leaf.env_steps, "failed": leaf.failed, "truncated": leaf.truncated,
                          "won": leaf.won, "error": leaf.error},

@@ -147,10 +147,13 @@ class Leaf:
 
 @dataclasses.dataclass
 class TreeResult:
-    """The leaves of one tree and its metrics (flat ``bpo/...`` names, ready for verl's logger)."""
+    """The leaves of one tree, its metrics (flat ``bpo/...`` names, ready for verl's logger), and the model-version
+    range of its generations (``min_global_steps``/``max_global_steps`` from verl's server outputs; verl's trainer
+    reads them from every row for off-policy accounting)."""
 
     leaves: list[Leaf]
     metrics: dict[str, float]
+    weight_versions: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -215,6 +218,7 @@ class TreeSampler:
         self._scores: list[float] = []
         self._forks = 0
         self._generated_tokens = 0
+        self._versions: dict[str, int] = {}
 
     # --- sandbox calls, off the event loop and under a time limit ----------------------------------------------
     async def _call(self, fn: Callable[..., Any], *args: Any, timing: str | None = None) -> Any:
@@ -350,9 +354,17 @@ class TreeSampler:
         cap = room if self.config.max_tokens_per_turn is None else min(room, self.config.max_tokens_per_turn)
         params = {**self.sampling_params, "max_tokens": max(cap, 1)}
         out = await self.llm.generate(self.request_id, prompt_ids=path.transcript.token_ids, sampling_params=params)
+        self._track_versions(out)
         token_ids = list(out.token_ids)
         log_probs = list(out.log_probs) if out.log_probs else [0.0] * len(token_ids)
         return token_ids, log_probs
+
+    def _track_versions(self, output: Any) -> None:
+        extra = getattr(output, "extra_fields", None) or {}
+        for key, pick in (("min_global_steps", min), ("max_global_steps", max)):
+            if extra.get(key) is not None:
+                value = int(extra[key])
+                self._versions[key] = pick(self._versions.get(key, value), value)
 
     async def _draw_pending(self, path: _Path) -> None:
         path.pending = await self._generate(path)
@@ -429,4 +441,4 @@ class TreeSampler:
         for name, values in self._timings.items():
             if values:
                 metrics[f"bpo/{name.removesuffix('_s')}_ms"] = 1e3 * sum(values) / len(values)
-        return TreeResult(leaves, metrics)
+        return TreeResult(leaves, metrics, dict(self._versions))
