@@ -15,7 +15,26 @@ from typing import Any
 
 from sandbox_adapters.registry import make_sandbox
 
-__all__ = ["sandbox_rows", "write_sandbox_dataset"]
+__all__ = ["task_row", "sandbox_rows", "write_sandbox_dataset"]
+
+
+def task_row(sandbox: str, task: Mapping[str, Any], sandbox_config: Mapping[str, Any] | None,
+             prompt: list[dict[str, str]], split: str, index: int, agent_name: str = "bpo_tree") -> dict[str, Any]:
+    """One verl row: what verl's RLHFDataset reads plus the sandbox and task the agent loop needs."""
+    return {
+        "data_source": f"bpo/{sandbox}",
+        "agent_name": agent_name,
+        "prompt": prompt,
+        "ability": "agent",
+        "reward_model": {"style": "sandbox", "ground_truth": ""},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            # JSON strings: parquet would otherwise widen heterogeneous task dicts into sparse columns.
+            "sandbox": json.dumps({"name": sandbox, "config": dict(sandbox_config or {})}),
+            "task": json.dumps(dict(task)),
+        },
+    }
 
 
 def sandbox_rows(
@@ -24,30 +43,27 @@ def sandbox_rows(
     sandbox_config: Mapping[str, Any] | None = None,
     split: str = "train",
     agent_name: str = "bpo_tree",
+    render: bool = True,
 ) -> list[dict[str, Any]]:
-    """One verl row per task, with the prompt rendered by the sandbox itself."""
+    """One verl row per task, with the prompt rendered by the sandbox itself.
+
+    ``render=False`` writes a labelled placeholder prompt instead of resetting a sandbox per task (for engines that
+    are absent on the machine preparing the data); the agent loop renders the real prompt at every reset anyway.
+    """
+    if not render:
+        return [task_row(sandbox, task, sandbox_config, [
+            {"role": "system", "content": f"[placeholder: the {agent_name} agent loop renders the {sandbox} prompt "
+                                          "from a sandbox reset]"},
+            {"role": "user", "content": json.dumps(dict(task))[:2000]},
+        ], split, i, agent_name) for i, task in enumerate(tasks)]
     rows = []
     box = make_sandbox(sandbox, sandbox_config)
     try:
         for i, task in enumerate(tasks):
             observation = box.reset(task)
-            rows.append({
-                "data_source": f"bpo/{sandbox}",
-                "agent_name": agent_name,
-                "prompt": [
-                    {"role": "system", "content": box.system_prompt()},
-                    {"role": "user", "content": box.first_user_message(observation)},
-                ],
-                "ability": "agent",
-                "reward_model": {"style": "sandbox", "ground_truth": ""},
-                "extra_info": {
-                    "split": split,
-                    "index": i,
-                    # JSON strings: parquet would otherwise widen heterogeneous task dicts into sparse columns.
-                    "sandbox": json.dumps({"name": sandbox, "config": dict(sandbox_config or {})}),
-                    "task": json.dumps(dict(task)),
-                },
-            })
+            prompt = [{"role": "system", "content": box.system_prompt()},
+                      {"role": "user", "content": box.first_user_message(observation)}]
+            rows.append(task_row(sandbox, task, sandbox_config, prompt, split, i, agent_name))
     finally:
         box.close()
     return rows

@@ -46,11 +46,9 @@ from typing import Any
 
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 
-__all__ = ["BENCHMARKS", "Plan", "build_plan", "placeholder_rows", "prepare", "main"]
+__all__ = ["BENCHMARKS", "Plan", "build_plan", "prepare", "main"]
 
 SPLITS = ("train", "val")
-# verl_bpo.agent_loop.AGENT_NAME, spelled out: importing the agent loop would import verl's whole rollout stack
-AGENT_NAME = "bpo_tree"
 
 
 @dataclasses.dataclass
@@ -206,31 +204,6 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[
 }
 
 
-def placeholder_rows(sandbox: str, tasks: Sequence[Mapping[str, Any]], sandbox_config: Mapping[str, Any] | None,
-                     split: str = "train", agent_name: str = AGENT_NAME) -> list[dict[str, Any]]:
-    """The rows ``verl_bpo.data.sandbox_rows`` writes, with a placeholder prompt instead of a sandbox reset."""
-    rows = []
-    for i, task in enumerate(tasks):
-        rows.append({
-            "data_source": f"bpo/{sandbox}",
-            "agent_name": agent_name,
-            "prompt": [
-                {"role": "system", "content": f"[placeholder: the {agent_name} agent loop renders the {sandbox} "
-                                              "prompt from a sandbox reset]"},
-                {"role": "user", "content": json.dumps(dict(task))[:2000]},
-            ],
-            "ability": "agent",
-            "reward_model": {"style": "sandbox", "ground_truth": ""},
-            "extra_info": {
-                "split": split,
-                "index": i,
-                "sandbox": json.dumps({"name": sandbox, "config": dict(sandbox_config or {})}),
-                "task": json.dumps(dict(task)),
-            },
-        })
-    return rows
-
-
 def _limit(tasks: list[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
     return tasks if limit is None else tasks[:limit]
 
@@ -252,7 +225,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Path]:
         if not tasks:
             raise ValueError(f"{args.benchmark}: the {split} split has no tasks")
         if args.no_render:
-            rows = placeholder_rows(plan.sandbox, tasks, plan.sandbox_config, split)
+            rows = sandbox_rows(plan.sandbox, tasks, plan.sandbox_config, split=split, render=False)
         else:
             rows = sandbox_rows(plan.sandbox, tasks, plan.sandbox_config, split=split)
         out[split] = write_sandbox_dataset(Path(args.out) / f"{split}.parquet", rows)
