@@ -76,6 +76,8 @@ def test_a_tree_shares_turns_so_it_costs_fewer_env_steps_than_flat():
     tree, _ = grow(BranchingConfig(n_leaves=8, k=2, k0=2), max_turns=6)
     flat, _ = grow(BranchingConfig(n_leaves=8, k0=8), max_turns=6)
     assert tree.metrics["bpo/turns"] < flat.metrics["bpo/turns"]
+    assert tree.metrics["bpo/env_steps_per_leaf"] < flat.metrics["bpo/env_steps_per_leaf"]
+    assert tree.metrics["bpo/generated_tokens_per_leaf"] < flat.metrics["bpo/generated_tokens_per_leaf"]
 
 
 def test_estimator_gives_nonzero_advantages_on_a_sampled_tree():

@@ -66,8 +66,11 @@ class _Progress(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.wait(2.0):
-            if not self.log_path.exists():
-                continue
+            self.report()
+        self.report()  # the steps logged just before the trainer exited
+
+    def report(self) -> None:
+        if self.log_path.exists():
             for step, metrics in cpu_launch.parse_console_metrics(self.log_path.read_text(errors="replace")).items():
                 if step not in self._seen:
                     self._seen.add(step)

@@ -431,7 +431,9 @@ class TreeSampler:
             "bpo/leaf_return": sum(leaf.reward for leaf in leaves) / max(len(leaves), 1),
             "bpo/turns": float(turns),
             "bpo/mean_segment_turns": turns / max(segments, 1),
-            "bpo/env_steps_per_leaf": sum(p.env_steps for p in paths) / max(len(leaves), 1),
+            # Cost per leaf: the tree's distinct sandbox steps and generated tokens (shared prefixes count once).
+            "bpo/env_steps_per_leaf": turns / max(len(leaves), 1),
+            "bpo/leaf_depth": sum(len(p.turn_rewards) for p in paths) / max(len(leaves), 1),
             "bpo/generated_tokens": float(self._generated_tokens),
             "bpo/generated_tokens_per_leaf": self._generated_tokens / max(len(leaves), 1),
         }
