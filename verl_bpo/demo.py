@@ -35,8 +35,9 @@ __all__ = ["DemoSettings", "train", "main"]
 
 logger = logging.getLogger(__name__)
 
-SMOKE = {"length": 3, "max_steps": 6, "key_reward": 0.5}
-TASKS = [{"task_id": i} for i in range(8)]
+SMOKE = {"length": 3, "max_steps": 6, "key_reward": 0.5, "num_tasks": 64}
+# verl stops at the end of its epochs (trainer.total_epochs=1 on CPU), so the task set must hold steps x batch tasks.
+TASKS = [{"task_id": i} for i in range(64)]
 
 
 class DemoSettings:
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8, help="policy updates per estimator (default 8)")
     parser.add_argument("--out", type=Path, default=Path("runs/cpu_demo"))
     args = parser.parse_args(argv)
+    if args.steps * DemoSettings.batch_size > len(TASKS):
+        parser.error(f"--steps must be <= {len(TASKS) // DemoSettings.batch_size} (one pass over the task set)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
     settings = DemoSettings()
