@@ -163,3 +163,18 @@ def test_success_rate_counts_won_leaves():
     result = asyncio.run(TreeSampler(config, CountingSmoke, TASK, Solver(), WordCodec(), tree_id="s").run())
     assert result.metrics["bpo/success_rate"] == 1.0 and all(leaf.won for leaf in result.leaves)
     assert result.metrics["bpo/leaf_return"] == 1.0
+
+
+def test_a_failed_leaf_keeps_shared_prefix_rewards_consistent():
+    """With rewards earned before a crash, the failed leaf's shared turns must carry the same reward as its
+    siblings' copies (the estimator rejects one turn with two rewards)."""
+
+    class ShapedCrashingSmoke(CrashingSmoke):
+        def __init__(self, config=None):
+            super().__init__(type(self).Config(key_reward=0.5, length=2))
+
+    CrashingSmoke.rng.seed(3)
+    for seed in range(4):
+        result, _ = grow(BranchingConfig(n_leaves=8, k=2, k0=2), sandbox_cls=ShapedCrashingSmoke, seed=seed)
+        leaf_rows(result)  # raises on inconsistent shared rewards
+        assert all(leaf.reward == sum(leaf.meta.turn_rewards) for leaf in result.leaves)

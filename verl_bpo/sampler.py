@@ -11,7 +11,7 @@ The tree grows in waves. In each wave every live path stands on a fresh decision
 The root is always a fork of K0 (``K0 = N`` with no later forks is *flat mode*: N independent rollouts through the
 same code, the GRPO/RLOO baseline). One request id per tree gives the LLM server sticky routing, so siblings hit
 the same prefix cache. A sandbox that crashes, hangs past ``step_timeout_s`` or fails to restore ends its own
-leaf (reward 0, ``failed``), never the tree. Every sandbox is closed when its path ends.
+leaf (its failing turn earns 0; the leaf is flagged ``failed``), never the tree. Every sandbox is closed when its path ends.
 
 The sampler is independent of verl: tokenization goes through a :class:`ChatCodec` (the agent loop wires verl's
 continuous-token builder into it) and generation through any :class:`LLMClient`.
@@ -127,7 +127,7 @@ class Leaf:
     Attributes:
         transcript: prompt + response tokens, masks and rollout log-probs.
         meta: the tree metadata the estimator consumes.
-        reward: the leaf return (undiscounted sum of its turn rewards; 0 if failed).
+        reward: the leaf return (undiscounted sum of its turn rewards; a failed turn earns 0).
         failed: the sandbox crashed, timed out or failed to restore on this path.
         truncated: the path hit ``max_turns`` or the response budget before the episode ended.
         won: the sandbox reported ``info["won"]`` on the final step (success, for success-rate metrics).
@@ -407,7 +407,9 @@ class TreeSampler:
         length = self.config.response_length
         leaves = []
         for leaf_id, p in enumerate(paths):
-            rewards = [0.0] * len(p.turn_rewards) if p.failed else p.turn_rewards
+            # A failed path keeps what it earned before the fault (shared turns carry one reward in every leaf);
+            # the turn that failed earns 0.
+            rewards = p.turn_rewards
             meta = LeafMeta(self.tree_id, leaf_id, tuple(p.node_path), tuple(p.transcript.turn_spans(length)),
                             p.mass, tuple(rewards), p.failed)
             leaves.append(Leaf(p.transcript, meta, float(sum(rewards)), p.failed, p.truncated, p.won, p.env_steps,
