@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import zlib
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -119,7 +120,8 @@ class BPOTreeAgentLoop(AgentLoopBase):
             raise ValueError(f"extra_info.task of uid {uid} must be a mapping (or its JSON), got {type(task).__name__}")
         sampler = TreeSampler(
             config, lambda: make_sandbox(name, sandbox_config), task, self.server_manager, VerlChatCodec(self),
-            tree_id=uid, sampling_params=sampling_params, seed=hash((uid, row.get("index", 0))) % (2**31),
+            # str hash() is salted per process; crc32 keeps the sandbox re-seeding reproducible across runs.
+            tree_id=uid, sampling_params=sampling_params, seed=zlib.crc32(f"{uid}/{row.get('index', 0)}".encode()),
         )
         return await sampler.run()
 
