@@ -120,7 +120,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
             raise ValueError(f"extra_info.task of uid {uid} must be a mapping (or its JSON), got {type(task).__name__}")
         sampler = TreeSampler(
             config, lambda: make_sandbox(name, sandbox_config), task, self.server_manager, VerlChatCodec(self),
-            # str hash() is salted per process; crc32 keeps the sandbox re-seeding reproducible across runs.
+            # str hash() is salted per process; crc32 makes the sandbox seeds a pure function of the uid.
             tree_id=uid, sampling_params=sampling_params, seed=zlib.crc32(f"{uid}/{row.get('index', 0)}".encode()),
         )
         return await sampler.run()
