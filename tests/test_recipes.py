@@ -190,9 +190,11 @@ def sandbox_config(rows: list[dict]) -> dict:
 
 
 def test_agent_name_matches_the_agent_loop():
+    import inspect
+
     from verl_bpo.agent_loop import AGENT_NAME
 
-    assert prepare_data.AGENT_NAME == AGENT_NAME
+    assert inspect.signature(sandbox_rows).parameters["agent_name"].default == AGENT_NAME
 
 
 def test_placeholder_rows_have_the_rendered_rows_schema():

@@ -197,8 +197,13 @@ def test_writes_outside_the_sandbox_fail_and_the_host_is_untouched(tasks, tmp_pa
         sandbox.reset(tasks[0])
         cmd = "; ".join(f"echo pwned > {t}" for t in targets)
         out = sandbox.step(bash(cmd)).observation.text
-        # system directories are read-only, the rest of the host does not exist inside, /tmp is a private tmpfs
-        assert out.count("Read-only file system") == 2 and out.count("No such file or directory") == 1, out
+        # system directories are read-only; the rest of the host is absent inside, or (on the way to the interpreter,
+        # which depends on where the venv is) not writable for the sandbox user; /tmp is a private tmpfs
+        refusals = ("Read-only file system", "No such file or directory", "Permission denied")
+        for target in targets:
+            assert any(f"{target}: {refusal}" in out for refusal in refusals), out
+        assert "/etc/bpo_probe: Read-only file system" in out and "/usr/local/bpo_probe: Read-only file system" in out
+        assert f"{host_file}: No such file or directory" in out, out
         # the agent's own edits, commits and deletions stay inside the sandbox
         sandbox.step(bash("echo change >> README.md && git add -A && git commit -qm x && rm -rf tests && ls"))
         sandbox.step(bash("rm -rf /testbed/.git"))
