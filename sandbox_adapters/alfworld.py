@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 
 from sandbox_adapters.alfworld_gen import TASK_TYPES, find_games
 from sandbox_adapters.base import (
+    ACTION_LINE,
     Observation,
     RestoreFailed,
     Sandbox,
@@ -52,13 +53,12 @@ from sandbox_adapters.base import (
     Snapshot,
     SnapshotKind,
     StepResult,
+    parse_text_command,
 )
 
 __all__ = ["ALFWorldSandbox", "game_walkthrough", "resolve_games_dir"]
 
-_ACTION_LINE = re.compile(r"^\s*action\s*:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _ACTION_TAG = re.compile(r"<action>\s*(.+?)\s*</action>", re.IGNORECASE | re.DOTALL)
-_MAX_COMMAND_CHARS = 120
 
 # Each engine loads its own copy of libdownward.so (~34 MB, ~50 ms), and a loaded copy is never unloaded. Engines
 # of closed sandboxes are therefore kept here and handed to the next sandbox instead of loading another copy.
@@ -241,17 +241,7 @@ class ALFWorldSandbox(Sandbox):
         return Observation(self._render(obs[0], self._admissible, False), self._info(infos, False))
 
     def parse_action(self, text: str) -> str | None:
-        found = _ACTION_TAG.findall(text) or _ACTION_LINE.findall(text)
-        if found:
-            candidate = found[-1]
-        else:
-            candidate = text.strip()
-            if "\n" in candidate:
-                return None
-        candidate = " ".join(candidate.strip().strip("`'\"").rstrip(".!").lower().split())
-        if not candidate or len(candidate) > _MAX_COMMAND_CHARS:
-            return None
-        return candidate
+        return parse_text_command(text, (_ACTION_TAG, ACTION_LINE))
 
     def _step_text(self, action_text: str) -> StepResult:
         if self.parse_action(action_text) is not None:
@@ -259,10 +249,7 @@ class ALFWorldSandbox(Sandbox):
         # a turn without a command counts towards max_steps too, so a model that never acts still ends
         result = super()._step_text(action_text)
         self._steps += 1
-        if self._steps < self.config.max_steps:
-            return result
-        info = {**result.info, "won": False, "truncated": True}
-        return StepResult(Observation(result.observation.text, info), 0.0, True, info)
+        return self._end_at_step_limit(result, self._steps, self.config.max_steps)
 
     def _apply(self, action: str) -> StepResult:
         invalid = action not in self._admissible

@@ -27,6 +27,7 @@ import abc
 import dataclasses
 import enum
 import hashlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -42,7 +43,32 @@ __all__ = [
     "Sandbox",
     "verify_determinism",
     "observation_hash",
+    "ACTION_LINE",
+    "parse_text_command",
 ]
+
+# ``action: <command>`` on a line of its own; the last such line wins.
+ACTION_LINE = re.compile(r"^\s*action\s*:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def parse_text_command(text: str, patterns: Sequence[re.Pattern] = (ACTION_LINE,), max_chars: int = 120) -> str | None:
+    """A text-game command from a model turn: the last match of the first pattern that matches, else the whole
+    reply when it is a single line; normalised to lower case without quotes or a trailing period. ``None`` for
+    free text over several lines, an empty command, or one longer than ``max_chars`` (text engines such as Jericho
+    truncate long input anyway; anything that long is not a command)."""
+    for pattern in patterns:
+        found = pattern.findall(text)
+        if found:
+            candidate = found[-1]
+            break
+    else:
+        candidate = text.strip()
+        if "\n" in candidate:
+            return None
+    candidate = " ".join(candidate.strip().strip("`'\"").rstrip(".!").lower().split())
+    if not candidate or len(candidate) > max_chars:
+        return None
+    return candidate
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,6 +222,14 @@ class Sandbox(abc.ABC):
     def render_observation(self, observation: Observation) -> str:
         """A later observation as the content of a user message."""
         return observation.text
+
+    def _end_at_step_limit(self, result: StepResult, steps: int, max_steps: int) -> StepResult:
+        """For adapters whose step budget also counts turns without an action (so a model that never acts still
+        ends its episode): ``result`` unchanged below the budget, else the same observation ending the episode."""
+        if steps < max_steps:
+            return result
+        info = {**result.info, "won": False, "truncated": True}
+        return StepResult(Observation(result.observation.text, info), 0.0, True, info)
 
     def invalid_action_text(self, text: str) -> str:
         """Observation returned when ``parse_action`` finds no action in the model's turn."""

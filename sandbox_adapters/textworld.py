@@ -51,15 +51,13 @@ from sandbox_adapters.base import (
     Snapshot,
     SnapshotKind,
     StepResult,
+    parse_text_command,
 )
 
 __all__ = ["TextWorldSandbox", "make_games", "game_walkthrough"]
 
 # Inform7 prints a prompt and a status bar ("> ... -= Room =-0/3") after every turn; they only add noise.
 _PROMPT_TAIL = re.compile(r"\n>[^\n]*\s*$")
-_ACTION_LINE = re.compile(r"^\s*action\s*:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
-# Jericho truncates input past 198 bytes; anything that long is not a command.
-_MAX_COMMAND_CHARS = 120
 # Wrapper attributes that change from step to step (see the module docstring).
 _TRACKED_ATTRS = (
     "_last_action",
@@ -276,18 +274,7 @@ class TextWorldSandbox(Sandbox):
         return Observation(self._render(state), self._info(state))
 
     def parse_action(self, text: str) -> str | None:
-        lines = _ACTION_LINE.findall(text)
-        if lines:
-            candidate = lines[-1]
-        else:
-            stripped = text.strip()
-            if "\n" in stripped:
-                return None  # free text over several lines with no "action:" line
-            candidate = stripped
-        candidate = " ".join(candidate.strip().strip("`'\"").rstrip(".!").lower().split())
-        if not candidate or len(candidate) > _MAX_COMMAND_CHARS:
-            return None
-        return candidate
+        return parse_text_command(text)
 
     def _step_text(self, action_text: str) -> StepResult:
         if self.parse_action(action_text) is not None:
@@ -295,10 +282,7 @@ class TextWorldSandbox(Sandbox):
         # a turn without a command counts towards max_steps too, so a model that never acts still ends
         result = super()._step_text(action_text)
         self._steps += 1
-        if self._steps < self.config.max_steps:
-            return result
-        info = {**result.info, "won": False, "truncated": True}
-        return StepResult(Observation(result.observation.text, info), 0.0, True, info)
+        return self._end_at_step_limit(result, self._steps, self.config.max_steps)
 
     def _apply(self, action: str) -> StepResult:
         admissible = self._env.state.get("admissible_commands") or []
