@@ -161,6 +161,8 @@ class ALFWorldSandbox(Sandbox):
                 raise ValueError("alfworld: max_steps must be >= 1")
             self.task_types = tuple(self.task_types)
 
+    # Concurrent resets on different instances corrupt TextWorld's shared grammar parser (seen in threads).
+    thread_safe: ClassVar[bool] = False
     name: ClassVar[str] = "alfworld"
     deterministic: ClassVar[bool] = True
 

@@ -171,11 +171,15 @@ class Sandbox(abc.ABC):
 
     Class attributes:
         name: registry name (``bpo.sandbox.name``).
+        thread_safe: False when instances must not be called concurrently from several threads.
         deterministic: True when the same state + the same action always gives the same transition.
         snapshot_kind: the mechanism ``snapshot()`` uses.
     """
 
     name: ClassVar[str] = ""
+    # False when the engine keeps process-global state that concurrent calls on *different* instances corrupt
+    # (TextWorld's grammar parser); the tree sampler then runs one call of that class at a time.
+    thread_safe: ClassVar[bool] = True
     deterministic: ClassVar[bool] = True
     snapshot_kind: ClassVar[SnapshotKind] = SnapshotKind.REPLAY
 

@@ -182,6 +182,8 @@ class TextWorldSandbox(Sandbox):
             if self.max_steps < 1:
                 raise ValueError("textworld: max_steps must be >= 1")
 
+    # Concurrent resets on different instances corrupt TextWorld's shared grammar parser (seen in threads).
+    thread_safe: ClassVar[bool] = False
     name: ClassVar[str] = "textworld"
     deterministic: ClassVar[bool] = True
 

@@ -178,3 +178,22 @@ def test_a_failed_leaf_keeps_shared_prefix_rewards_consistent():
         result, _ = grow(BranchingConfig(n_leaves=8, k=2, k0=2), sandbox_cls=ShapedCrashingSmoke, seed=seed)
         leaf_rows(result)  # raises on inconsistent shared rewards
         assert all(leaf.reward == sum(leaf.meta.turn_rewards) for leaf in result.leaves)
+
+
+@pytest.mark.envs
+def test_concurrent_trees_on_a_thread_unsafe_engine_do_not_crash(tmp_path):
+    """TextWorld corrupts its shared grammar parser under concurrent resets; the sampler serializes its calls."""
+    pytest.importorskip("textworld")
+    from sandbox_adapters.textworld import TextWorldSandbox, make_games
+
+    game = make_games(tmp_path, [0])[0]
+    config = SamplerConfig(branching=BranchingConfig(n_leaves=4, k=2, k0=2), max_turns=3, response_length=4096)
+
+    async def trees():
+        samplers = [TreeSampler(config, lambda: TextWorldSandbox(TextWorldSandbox.Config(max_steps=3)),
+                                {"game": str(game)}, ScriptedLLM(i), WordCodec(), tree_id=f"t{i}", seed=i)
+                    for i in range(4)]
+        return await asyncio.gather(*(s.run() for s in samplers))
+
+    for result in asyncio.run(trees()):
+        assert len(result.leaves) == 4 and not any(leaf.failed for leaf in result.leaves)

@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -177,6 +179,21 @@ class _Path:
     error: str | None = None
 
 
+_ENGINE_LOCKS: dict[type, threading.Lock] = {}
+_ENGINE_LOCKS_GUARD = threading.Lock()
+
+
+def _engine_lock(cls: type) -> threading.Lock:
+    """One lock per sandbox class that is not thread-safe, shared by every tree in the process."""
+    with _ENGINE_LOCKS_GUARD:
+        return _ENGINE_LOCKS.setdefault(cls, threading.Lock())
+
+
+def _serialized(lock: threading.Lock, fn: Callable[..., Any], *args: Any) -> Any:
+    with lock:
+        return fn(*args)
+
+
 def _mean_surprisal(log_probs: Sequence[float]) -> float:
     return -sum(log_probs) / len(log_probs) if log_probs else 0.0
 
@@ -224,6 +241,9 @@ class TreeSampler:
     async def _call(self, fn: Callable[..., Any], *args: Any, timing: str | None = None) -> Any:
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, Sandbox) and not type(owner).thread_safe:
+            fn = functools.partial(_serialized, _engine_lock(type(owner)), fn)
         try:
             return await asyncio.wait_for(loop.run_in_executor(None, fn, *args), self.config.step_timeout_s)
         except asyncio.TimeoutError as exc:
