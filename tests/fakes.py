@@ -121,3 +121,16 @@ class UnrestorableSmoke(CountingSmoke):
         if UnrestorableSmoke.calls % 2 == 0:
             raise RestoreFailed("injected restore failure")
         super().restore(snapshot, seed)
+
+
+class UnstartableSmoke(CountingSmoke):
+    """Fault injection: the first ``failures`` resets (counted across instances) raise."""
+
+    failures = 1
+    resets = 0
+
+    def reset(self, task):
+        UnstartableSmoke.resets += 1
+        if UnstartableSmoke.resets <= UnstartableSmoke.failures:
+            raise SandboxCrashed("injected reset failure")
+        return super().reset(task)

@@ -18,6 +18,8 @@ from transformers import AutoTokenizer
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
+from tests.fakes import UnstartableSmoke
+from verl_bpo import agent_loop
 from verl_bpo.agent_loop import TREE_METRICS_KEY, BPOTreeAgentLoop
 from verl_bpo.estimator import compute_bpo_advantage
 from verl_bpo.tiny_model import build_tiny_model
@@ -114,6 +116,17 @@ def test_metadata_round_trips_through_as_dict_and_the_transfer_queue_layout(toke
     adv, _ = compute_bpo_advantage(scores, mask, index=np.array(["uid-a"] * 4, dtype=object),
                                    tree_meta=[e[META_KEY] for e in extra])
     assert torch.all(adv[mask == 0] == 0)
+
+
+def test_a_sandbox_that_never_starts_still_fills_the_uid_group(tokenizer, monkeypatch):
+    """verl stops the step on a uid group with no trajectories; a dead reset gives N failed, zero-advantage rows."""
+    UnstartableSmoke.failures, UnstartableSmoke.resets = 100, 0
+    monkeypatch.setattr(agent_loop, "make_sandbox", lambda name, config: UnstartableSmoke(config))
+    outputs, _ = asyncio.run(run_sessions(make_config(n=4), tokenizer, n=4))
+    fields = [o.as_dict() for o in outputs]  # verl writes the reward on the last response token: it must exist
+    assert len(fields) == 4 and all(f["rm_scores"].sum() == 0 and f["response_mask"].sum() == 0 for f in fields)
+    assert all(o.extra_fields["bpo_leaf"]["failed"] for o in outputs)
+    assert outputs[0].extra_fields[TREE_METRICS_KEY]["bpo/reset_failures"] == 1
 
 
 def test_validation_with_one_session_is_a_plain_episode(tokenizer):

@@ -16,6 +16,7 @@ from tests.fakes import (
     HangingSmoke,
     ScriptedLLM,
     UnrestorableSmoke,
+    UnstartableSmoke,
     WordCodec,
 )
 from verl_bpo.branching import BranchingConfig
@@ -120,6 +121,29 @@ def test_failed_restores_shrink_the_fork_but_keep_masses_right():
     assert np.isclose(rows.forest.masses()[rows.forest.is_leaf].sum(), 1.0)
     assert len(result.leaves) < 8  # restores failed, so some leaves were never created
     assert result.metrics["bpo/leaf_utilization"] < 1.0
+
+
+def test_a_failed_reset_is_retried_on_a_fresh_sandbox():
+    UnstartableSmoke.failures, UnstartableSmoke.resets = 1, 0
+    result, _ = grow(BranchingConfig(n_leaves=4, k=2, k0=2), sandbox_cls=UnstartableSmoke)
+    assert len(result.leaves) == 4 and not any(leaf.failed for leaf in result.leaves)
+    assert result.metrics["bpo/reset_failures"] == 0
+    assert CountingSmoke.live == 0
+
+
+def test_a_tree_that_cannot_start_gives_n_failed_leaves_with_zero_advantage():
+    """verl stops the step when a uid group has no trajectories, so a dead reset must still fill the group."""
+    UnstartableSmoke.failures, UnstartableSmoke.resets = 10, 0
+    result, _ = grow(BranchingConfig(n_leaves=4, k=2, k0=2), sandbox_cls=UnstartableSmoke)
+    assert len(result.leaves) == 4 and all(leaf.failed and "injected reset failure" in leaf.error
+                                           for leaf in result.leaves)
+    assert UnstartableSmoke.resets == TreeSampler.RESET_ATTEMPTS
+    assert result.metrics["bpo/reset_failures"] == 1 and result.metrics["bpo/failed_leaves"] == 4
+    for leaf in result.leaves:  # a non-empty response (verl writes the reward on its last token), all mask 0
+        assert leaf.transcript.response_mask and not any(leaf.transcript.response_mask)
+    rows = leaf_rows(result)
+    assert np.isclose(rows.forest.masses()[rows.forest.is_leaf].sum(), 1.0)
+    assert CountingSmoke.live == 0
 
 
 def test_posthoc_score_is_flagged_and_still_runs():

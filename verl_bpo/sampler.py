@@ -201,6 +201,8 @@ def _mean_surprisal(log_probs: Sequence[float]) -> float:
 class TreeSampler:
     """Grows one tree. Create one per task (per verl uid) and ``await run()`` once."""
 
+    RESET_ATTEMPTS = 2  # a reset that fails twice on fresh sandboxes is not transient: the tree becomes failed leaves
+
     def __init__(
         self,
         config: SamplerConfig,
@@ -255,10 +257,13 @@ class TreeSampler:
     async def _close(self, path: _Path) -> None:
         if path.sandbox is not None:
             sandbox, path.sandbox = path.sandbox, None
-            try:
-                await self._call(sandbox.close)
-            except Exception:  # closing is best effort; the leaf is already final
-                logger.warning("closing a sandbox of tree %s failed", self.tree_id, exc_info=True)
+            await self._close_sandbox(sandbox)
+
+    async def _close_sandbox(self, sandbox: Sandbox) -> None:
+        try:
+            await self._call(sandbox.close)
+        except Exception:  # closing is best effort; the leaf is already final
+            logger.warning("closing a sandbox of tree %s failed", self.tree_id, exc_info=True)
 
     async def _fail(self, path: _Path, error: BaseException) -> None:
         logger.warning("tree %s: a branch failed and becomes a failed leaf: %r", self.tree_id, error)
@@ -270,12 +275,10 @@ class TreeSampler:
         branching = self.config.branching
         budget = ForkBudget(branching)
         forks_wanted = budget.forks_wanted
-        root_box = self.make_sandbox()
-        try:
-            observation = await self._call(root_box.reset, self.task, timing="step_s")
-        except BaseException:
-            await self._call(root_box.close)
-            raise
+        started = await self._start_episode()
+        if isinstance(started, BaseException):
+            return await self._unstarted_tree(started)
+        root_box, observation = started
         messages = [
             {"role": "system", "content": root_box.system_prompt()},
             {"role": "user", "content": root_box.first_user_message(observation)},
@@ -302,6 +305,47 @@ class TreeSampler:
         self.selector.end_tree(self._scores, forks_wanted)
         return self._result(paths, budget)
 
+    async def _start_episode(self) -> tuple[Sandbox, Any] | BaseException:
+        """The root sandbox and its first observation; a failed reset is retried on a fresh sandbox
+        (``RESET_ATTEMPTS`` in all), and the last error is returned when every attempt fails."""
+        error: BaseException = RuntimeError("no reset attempted")
+        for _ in range(self.RESET_ATTEMPTS):
+            box = self.make_sandbox()
+            try:
+                return box, await self._call(box.reset, self.task, timing="step_s")
+            except Exception as exc:
+                logger.warning("tree %s: sandbox reset failed: %r", self.tree_id, exc)
+                error = exc
+                await self._close_sandbox(box)
+        return error
+
+    async def _unstarted_tree(self, error: BaseException) -> TreeResult:
+        """N failed leaves when the episode never started, so verl's uid group stays whole (a group with no
+        trajectories stops verl's training step). Each leaf is one empty turn: its response is a mask-0 note, its
+        reward 0, and all leaves are flat siblings, so every advantage in the group is 0."""
+        n = self.config.branching.n_leaves
+        box = self.make_sandbox()
+        try:
+            system = box.system_prompt()
+        finally:
+            await self._close_sandbox(box)
+        note = f"{type(error).__name__}: {error}"
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"The environment failed to start ({note})."}]
+        prompt_ids = await self.codec.start(messages)
+        base = Transcript(messages, list(prompt_ids), len(prompt_ids))
+        await self.codec.add_user(base, "No episode was played.")
+        base.turn_starts.append(0)
+        paths = []
+        for i in range(n):
+            path = _Path(i + 1, None, base.copy(), [0, i + 1], [0.0], 1.0 / n, depth=1)
+            path.done, path.failed, path.error = True, True, note
+            paths.append(path)
+        self._next_node = n + 1
+        result = self._result(paths, ForkBudget(self.config.branching))
+        result.metrics["bpo/reset_failures"] = 1.0
+        return result
+
     async def _fork(self, path: _Path, children: int) -> list[_Path]:
         """Up to K − 1 new paths at ``path``'s node, each with a restored, re-seeded copy of its sandbox.
 
@@ -325,7 +369,7 @@ class TreeSampler:
                     await self._call(box.restore, snapshot, self.rng.randrange(2**31), timing="restore_s")
                 except Exception as exc:
                     logger.warning("tree %s: restore failed, one child fewer: %r", self.tree_id, exc)
-                    await self._call(box.close)
+                    await self._close_sandbox(box)
                     continue
                 new_paths.append(dataclasses.replace(
                     path, sandbox=box, transcript=path.transcript.copy(), node_path=list(path.node_path),
@@ -448,6 +492,7 @@ class TreeSampler:
             "bpo/forks": float(self._forks),
             "bpo/unspent_leaf_budget": float(max(budget.leaves_left, 0)),
             "bpo/failed_leaves": float(sum(leaf.failed for leaf in leaves)),
+            "bpo/reset_failures": 0.0,
             "bpo/truncated_leaves": float(sum(leaf.truncated for leaf in leaves)),
             "bpo/success_rate": sum(leaf.won for leaf in leaves) / max(len(leaves), 1),
             "bpo/leaf_return": sum(leaf.reward for leaf in leaves) / max(len(leaves), 1),
