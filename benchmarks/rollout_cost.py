@@ -21,9 +21,8 @@ import statistics
 from pathlib import Path
 
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
+from verl_bpo.demo import demo_model
 from verl_bpo.platforms import cpu_launch
-from verl_bpo.tiny_model import build_tiny_model
-from verl_bpo.warm_start import warm_start
 
 N_LEAVES, MAX_TURNS = 8, 8
 KEYS = {"env_steps_per_leaf": "bpo/env_steps_per_leaf", "gen_tokens_per_leaf": "bpo/generated_tokens_per_leaf",
@@ -51,11 +50,13 @@ def alfworld_tasks(root: Path, count: int) -> tuple[list[dict], dict]:
 SANDBOXES = {"textworld": textworld_tasks, "alfworld": alfworld_tasks}
 
 
-def run_once(model: Path, data: Path, sandbox: str, config: dict, estimator: str, out: Path, tasks: int) -> dict:
+def run_once(model: Path, data: Path, sandbox: str, estimator: str, out: Path, tasks: int,
+             forks_per_wave: str) -> dict:
     overrides = cpu_launch.cpu_overrides(
         model, data, data, output_dir=out, n=N_LEAVES, batch_size=tasks, steps=1, adv_estimator=estimator,
         max_prompt_length=1024, max_response_length=1536, lr=1e-4,
         extra=[f"bpo.max_turns={MAX_TURNS}", "bpo.max_tokens_per_turn=8", "bpo.k=2", "bpo.k0=2",
+               f"bpo.max_forks_per_wave={forks_per_wave}",
                f"bpo.sandbox.name={sandbox}", "actor_rollout_ref.rollout.seed=0", "data.seed=0"],
     )
     result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main", timeout_s=1200)
@@ -69,10 +70,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/rollout_cost"))
     parser.add_argument("--tasks", type=int, default=2, help="tasks (trees) per sandbox")
+    parser.add_argument("--max-forks-per-wave", default="1",
+                        help="bpo.max_forks_per_wave of the tree runs (default 1: the 6 forks spread over the "
+                             "8-turn horizon; 'null' forks as early as the budget allows)")
     args = parser.parse_args()
     root = args.out.resolve()
-    model = warm_start(build_tiny_model(root / "tiny"), root / "tiny_warm", "smoke", [{"task_id": i} for i in range(8)],
-                       {"length": 3, "max_steps": 6}, episodes=48, max_turns=4, steps=80)
+    model = demo_model(root)  # the demo's warm-started tiny model: it writes short actions
 
     by_sandbox = {}
     print(f"{'sandbox':10s} {'mode':5s} {'env steps/leaf':>15s} {'gen tokens/leaf':>16s} {'rollout s':>10s}")
@@ -81,7 +84,8 @@ def main() -> None:
         data = write_sandbox_dataset(root / sandbox / "train.parquet", sandbox_rows(sandbox, tasks, config))
         row = {}
         for mode, estimator in (("tree", "bpo"), ("flat", "grpo")):
-            row[mode] = run_once(model, data, sandbox, config, estimator, root / sandbox / mode, args.tasks)
+            row[mode] = run_once(model, data, sandbox, estimator, root / sandbox / mode, args.tasks,
+                                 args.max_forks_per_wave)
             m = row[mode]
             print(f"{sandbox:10s} {mode:5s} {m['env_steps_per_leaf']:15.2f} {m['gen_tokens_per_leaf']:16.1f} "
                   f"{m['wall']:10.1f}", flush=True)
@@ -89,7 +93,8 @@ def main() -> None:
 
     summary = {key: round(statistics.mean(v[key] for v in by_sandbox.values()), 4)
                for key in next(iter(by_sandbox.values()))}
-    print(json.dumps({**summary, "by_sandbox": by_sandbox, "n_leaves": N_LEAVES, "tasks": args.tasks}))
+    print(json.dumps({**summary, "by_sandbox": by_sandbox, "n_leaves": N_LEAVES, "tasks": args.tasks,
+                      "max_forks_per_wave": args.max_forks_per_wave}))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from verl_bpo.platforms import cpu_launch
 from verl_bpo.tiny_model import build_tiny_model
 from verl_bpo.warm_start import warm_start
 
-__all__ = ["DemoSettings", "train", "main"]
+__all__ = ["DemoSettings", "demo_model", "train", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +48,22 @@ class DemoSettings:
     lr = 2e-4
     max_turns = 6
     max_tokens_per_turn = 6
-    bpo = ["bpo.k=2", "bpo.k0=2", "bpo.max_forks_per_wave=2"]
+    bpo = {"k": 2, "k0": 2, "max_forks_per_wave": 2}
+
+    def bpo_block(self) -> dict:
+        """The ``bpo:`` settings of both runs (the sandbox is added by the launcher)."""
+        return {"max_turns": self.max_turns, "max_tokens_per_turn": self.max_tokens_per_turn, **self.bpo}
+
+
+def demo_model(out: Path) -> Path:
+    """The tiny model, warm-started on the demo corridor's action format (cached under ``out``)."""
+    return warm_start(build_tiny_model(out / "tiny"), out / "tiny_warm", "smoke", TASKS, SMOKE,
+                      episodes=48, max_turns=4, steps=80)
 
 
 def _bpo_overrides(settings: DemoSettings) -> list[str]:
-    return [f"bpo.max_turns={settings.max_turns}", f"bpo.max_tokens_per_turn={settings.max_tokens_per_turn}",
-            "bpo.sandbox.name=smoke", *(f"+bpo.sandbox.config.{k}={v}" for k, v in SMOKE.items()), *settings.bpo]
+    return [*(f"bpo.{k}={v}" for k, v in settings.bpo_block().items()), "bpo.sandbox.name=smoke",
+            *(f"+bpo.sandbox.config.{k}={v}" for k, v in SMOKE.items())]
 
 
 class _Progress(threading.Thread):
@@ -159,8 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.monotonic()
 
     print("1/4 building the tiny model and warm-starting it on the action format ...", flush=True)
-    model = warm_start(build_tiny_model(out / "tiny"), out / "tiny_warm", "smoke", TASKS, SMOKE,
-                       episodes=48, max_turns=4, steps=80)
+    model = demo_model(out)
     print("2/4 writing the task set ...", flush=True)
     data = write_sandbox_dataset(out / "data" / "train.parquet", sandbox_rows("smoke", TASKS, SMOKE))
     results = {}

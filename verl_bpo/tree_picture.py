@@ -1,7 +1,6 @@
 """Grow one BPO tree with a local Hugging Face model (no server) and draw it: forks, returns, advantages.
 
-Used by the CPU demo. The LLM client and chat codec here are small in-process stand-ins for verl's server and
-continuous-token builder, good enough to sample a tree for a picture; training always goes through verl.
+Used by the CPU demo; the tree is sampled in-process (``verl_bpo.hf_rollout``) from the warm-started model.
 """
 
 from __future__ import annotations
@@ -15,60 +14,12 @@ import numpy as np
 
 from sandbox_adapters.registry import make_sandbox
 from verl_bpo.branching import BranchingConfig
-from verl_bpo.sampler import SamplerConfig, Transcript, TreeResult, TreeSampler
+from verl_bpo.hf_rollout import BatchedHFClient, TemplateCodec
+from verl_bpo.sampler import SamplerConfig, TreeResult, TreeSampler
 from verl_bpo.tree import compute_credit
 from verl_bpo.tree_meta import build_leaf_rows
 
-__all__ = ["HFClient", "TemplateCodec", "sample_tree", "draw_tree", "draw_sampled_tree"]
-
-
-class HFClient:
-    """Samples a turn with ``model.generate`` and returns the sampled tokens' log-probs."""
-
-    def __init__(self, model: Any, tokenizer: Any, temperature: float = 1.0) -> None:
-        self.model, self.tokenizer, self.temperature = model, tokenizer, temperature
-
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any]):
-        import torch
-
-        ids = torch.tensor([prompt_ids])
-        with torch.no_grad():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                      temperature=self.temperature, max_new_tokens=sampling_params.get("max_tokens", 8),
-                                      output_scores=True, return_dict_in_generate=True,
-                                      pad_token_id=self.tokenizer.pad_token_id)
-        tokens = out.sequences[0, ids.shape[1]:].tolist()
-        log_probs = [torch.log_softmax(score[0], -1)[t].item() for score, t in zip(out.scores, tokens)]
-        return type("Generation", (), {"token_ids": tokens, "log_probs": log_probs})()
-
-
-class TemplateCodec:
-    """Chat-template codec: each new message's tokens are the suffix the template adds to the previous chat."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
-        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-
-    async def start(self, messages):
-        return self._render(messages, True)
-
-    async def add_assistant(self, transcript: Transcript, token_ids, log_probs):
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        transcript.token_ids += token_ids
-        transcript.response_mask += [1] * len(token_ids)
-        transcript.response_logprobs += list(log_probs)
-        transcript.messages.append({"role": "assistant", "content": text})
-        return text
-
-    async def add_user(self, transcript: Transcript, text: str):
-        transcript.messages.append({"role": "user", "content": text})
-        suffix = self._render(transcript.messages, True)[len(transcript.token_ids):]
-        transcript.token_ids += suffix
-        transcript.response_mask += [0] * len(suffix)
-        transcript.response_logprobs += [0.0] * len(suffix)
+__all__ = ["sample_tree", "draw_tree", "draw_sampled_tree"]
 
 
 def sample_tree(model_dir: str | Path, sandbox: str, sandbox_config: Mapping, task: Mapping, n_leaves: int,
@@ -81,7 +32,7 @@ def sample_tree(model_dir: str | Path, sandbox: str, sandbox_config: Mapping, ta
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     config = SamplerConfig(branching=BranchingConfig(n_leaves=n_leaves, k=2, k0=2, max_forks_per_wave=2),
                            max_turns=max_turns, response_length=1024, max_tokens_per_turn=6)
-    sampler = TreeSampler(config, lambda: make_sandbox(sandbox, sandbox_config), task, HFClient(model, tokenizer),
+    sampler = TreeSampler(config, lambda: make_sandbox(sandbox, sandbox_config), task, BatchedHFClient(model, tokenizer),
                           TemplateCodec(tokenizer), tree_id="picture", seed=seed)
     return asyncio.run(sampler.run())
 

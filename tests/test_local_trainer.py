@@ -1,0 +1,95 @@
+"""The in-process rollout client and training loop behind benchmarks/learning.py, on a tiny locally built model."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from verl_bpo.hf_rollout import BatchedHFClient
+from verl_bpo.local_trainer import LocalRL, LocalRLConfig
+from verl_bpo.tiny_model import build_tiny_model
+
+SMOKE = {"length": 3, "max_steps": 4}
+BPO = {"k": 2, "k0": 2, "max_turns": 3, "max_tokens_per_turn": 4}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def make_trainer(model_dir, estimator="bpo", **kw):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = LocalRLConfig(estimator=estimator, n_leaves=4, batch_size=2, response_length=128, bpo=BPO, **kw)
+    return LocalRL(model, tokenizer, "smoke", SMOKE, config)
+
+
+def test_concurrent_requests_become_one_batched_generate_with_teacher_forced_log_probs(model_dir):
+    trainer = make_trainer(model_dir)
+    client, tokenizer = trainer.client, trainer.tokenizer
+    prompts = [tokenizer(f"room {i} " * (i + 1))["input_ids"] for i in range(5)]  # different lengths: left padding
+
+    async def generate_all():
+        return await asyncio.gather(*(client.generate("r", prompt_ids=p, sampling_params={"max_tokens": 6})
+                                      for p in prompts))
+
+    outputs = asyncio.run(generate_all())
+    assert client.calls == 1
+    for prompt, out in zip(prompts, outputs):
+        assert 1 <= len(out.token_ids) <= 6 and len(out.log_probs) == len(out.token_ids)
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(trainer.model(ids).logits[0, :-1].float(), -1)
+        expected = logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        np.testing.assert_allclose(out.log_probs, expected.numpy(), atol=2e-4)
+
+
+def test_training_log_probs_match_the_rollout_on_generated_tokens(model_dir):
+    trainer = make_trainer(model_dir)
+    results = trainer.rollout([{"task_id": 0}, {"task_id": 1}])
+    leaves = [leaf for r in results for leaf in r.leaves]
+    assert len(leaves) == 4 * 2 and len({leaf.meta.tree_id for leaf in leaves}) == 2
+    length = max(len(leaf.transcript.response_mask) for leaf in leaves)
+    with torch.no_grad():
+        logp = trainer._response_log_probs(leaves, length)
+    for row, leaf in enumerate(leaves):
+        mask = np.array(leaf.transcript.response_mask, dtype=bool)
+        np.testing.assert_allclose(logp[row, : len(mask)].numpy()[mask],
+                                   np.array(leaf.transcript.response_logprobs)[mask], atol=2e-4)
+
+
+def _with_returns(results, returns):
+    """The same rollouts with the given leaf returns (on the last turn), for a known advantage pattern."""
+    it = iter(returns)
+    for r in results:
+        for i, leaf in enumerate(r.leaves):
+            value = float(next(it))
+            rewards = (0.0,) * (leaf.meta.num_turns - 1) + (value,)
+            r.leaves[i] = dataclasses.replace(leaf, reward=value, meta=dataclasses.replace(leaf.meta,
+                                                                                           turn_rewards=rewards))
+    return results
+
+
+@pytest.mark.parametrize("estimator", ["bpo", "grpo"])
+def test_equal_returns_give_no_gradient_and_different_returns_do(estimator, model_dir):
+    trainer = make_trainer(model_dir, estimator)
+    results = trainer.rollout([{"task_id": 0}, {"task_id": 1}])
+    norm, batch = trainer.gradient(_with_returns(results, [1.0] * 8))
+    assert norm == 0 and batch["advantages"].abs().sum() == 0
+    norm, batch = trainer.gradient(_with_returns(results, [1, 0, 0, 1, 0, 0, 0, 1]))
+    assert norm > 0 and batch["advantages"][batch["response_mask"] == 0].abs().sum() == 0
+
+
+def test_a_step_updates_the_weights_and_reports_the_rollout(model_dir):
+    trainer = make_trainer(model_dir, "grpo", lr=1e-2)
+    stats = trainer.step([{"task_id": 2}, {"task_id": 3}])
+    assert 0 <= stats.success_rate <= 1 and stats.env_steps_per_leaf > 0 and stats.generated_tokens_per_leaf > 0
+    assert 0 <= stats.zero_advantage_share <= 1 and stats.grad_norm >= 0
+    assert trainer.updates == 1 and trainer.optimizer.state  # AdamW took its step

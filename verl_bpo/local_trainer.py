@@ -1,0 +1,207 @@
+"""An in-process policy-gradient loop over the tree sampler, for experiments that need many seeds on one machine.
+
+``benchmarks/learning.py`` compares BPO and GRPO over several seeds; starting Ray, vLLM and FSDP once per seed and
+estimator would take most of its time on a small CPU box. This loop keeps every part that decides the comparison
+and replaces only the serving and sharding machinery:
+
+* the rollout is the real :class:`~verl_bpo.sampler.TreeSampler` (tree mode for ``bpo``, flat mode for the
+  baselines, from the same ``bpo`` settings through :func:`~verl_bpo.config.sampler_config_from`) on a real sandbox;
+* advantages come from verl's estimator registry (``core_algos.get_adv_estimator_fn``): this plugin's ``bpo``, and
+  verl's own ``grpo``/``rloo``, called the way verl's trainer calls them;
+* the loss is verl's vanilla policy-gradient loss aggregated by verl's ``agg_loss`` (the plugin's default
+  ``seq-mean-token-sum-norm``), with verl's default gradient clipping (1.0); ``grad_norm`` is the pre-clip norm,
+  as verl's actor logs it;
+* stand-ins: the policy is served in-process by :class:`~verl_bpo.hf_rollout.BatchedHFClient` instead of vLLM, and
+  updated with one AdamW step per batch on one process instead of FSDP. That is what verl does with one PPO epoch
+  and one mini-batch per step (the ratio is 1 on-policy, so clipping never binds).
+
+The CPU demo (``python -m verl_bpo.demo``) runs the same comparison through verl's real trainer, on one seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sandbox_adapters.registry import make_sandbox
+from verl_bpo.config import sampler_config_from
+from verl_bpo.hf_rollout import BatchedHFClient, TemplateCodec
+from verl_bpo.sampler import Leaf, TreeResult, TreeSampler
+
+__all__ = ["LocalRLConfig", "LocalRL", "StepStats"]
+
+
+@dataclasses.dataclass
+class LocalRLConfig:
+    """One training run's settings (matched between estimators in a comparison).
+
+    Attributes:
+        estimator: verl advantage estimator name: ``bpo`` (trees) or a flat baseline (``grpo``, ``rloo``).
+        n_leaves: leaves (rollouts) per task: verl's ``rollout.n``. Default 8.
+        batch_size: tasks per policy update: verl's ``data.train_batch_size``. Default 4.
+        lr: AdamW learning rate. Default 1e-3.
+        grad_clip: gradient-norm clip, verl's ``actor.grad_clip``. Default 1.0.
+        response_length: verl's ``rollout.response_length``; also the ``seq-mean-token-sum-norm`` scale. Default 320.
+        loss_agg_mode: verl's ``actor.loss_agg_mode``. Default ``seq-mean-token-sum-norm`` (the plugin's default).
+        gamma: ``algorithm.gamma``. Default 1.0.
+        temperature: sampling temperature. Default 1.0.
+        bpo: the ``bpo:`` block (``k``, ``k0``, ``max_turns``, ``max_tokens_per_turn``, ...), as in verl's config.
+    """
+
+    estimator: str = "bpo"
+    n_leaves: int = 8
+    batch_size: int = 4
+    lr: float = 1e-3
+    grad_clip: float = 1.0
+    response_length: int = 320
+    loss_agg_mode: str = "seq-mean-token-sum-norm"
+    gamma: float = 1.0
+    temperature: float = 1.0
+    bpo: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one update saw: rollout outcomes, cost and the gradient."""
+
+    success_rate: float
+    leaf_return: float
+    grad_norm: float
+    env_steps_per_leaf: float
+    generated_tokens_per_leaf: float
+    zero_advantage_share: float
+
+
+class LocalRL:
+    """Trains ``model`` in place on ``sandbox`` tasks; see the module docstring for what is verl's and what is not."""
+
+    def __init__(self, model: Any, tokenizer: Any, sandbox: str, sandbox_config: Mapping[str, Any],
+                 config: LocalRLConfig, seed: int = 0) -> None:
+        import torch
+        from verl.trainer.ppo import core_algos
+
+        self.model, self.tokenizer, self.config, self.seed = model, tokenizer, config, seed
+        self.sandbox, self.sandbox_config = sandbox, dict(sandbox_config)
+        self.client = BatchedHFClient(model, tokenizer, temperature=config.temperature)
+        self.codec = TemplateCodec(tokenizer)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        self.estimator_fn = core_algos.get_adv_estimator_fn(config.estimator)
+        self.agg_loss = core_algos.agg_loss
+        self.updates = 0
+
+    # --- rollout ------------------------------------------------------------------------------------------------
+    def rollout(self, tasks: Sequence[Mapping[str, Any]], n_leaves: int | None = None,
+                estimator: str | None = None) -> list[TreeResult]:
+        """One tree (or flat group) per task, all grown concurrently so their turns batch together."""
+        n = n_leaves or self.config.n_leaves
+        sampler_config = sampler_config_from(dict(self.config.bpo), n_leaves=n,
+                                             estimator=estimator or self.config.estimator,
+                                             response_length=self.config.response_length)
+
+        async def grow_all() -> list[TreeResult]:
+            samplers = [
+                TreeSampler(sampler_config, lambda: make_sandbox(self.sandbox, self.sandbox_config), task,
+                            self.client, self.codec, tree_id=f"s{self.seed}-u{self.updates}-t{i}",
+                            seed=hash((self.seed, self.updates, i)) % 2**31)
+                for i, task in enumerate(tasks)
+            ]
+            return list(await asyncio.gather(*(s.run() for s in samplers)))
+
+        return asyncio.run(grow_all())
+
+    def evaluate(self, tasks: Sequence[Mapping[str, Any]], episodes_per_task: int = 2) -> float:
+        """Success rate of independent sampled episodes (flat groups) on ``tasks``."""
+        results = self.rollout(tasks, n_leaves=episodes_per_task, estimator="grpo")
+        leaves = [leaf for r in results for leaf in r.leaves]
+        return sum(leaf.won for leaf in leaves) / len(leaves)
+
+    # --- update -------------------------------------------------------------------------------------------------
+    def _batch(self, results: list[TreeResult]) -> dict[str, Any]:
+        """verl's row layout: one row per leaf, uid per tree, reward on the last response token."""
+        import torch
+
+        leaves: list[Leaf] = [leaf for r in results for leaf in r.leaves]
+        uids = np.array([leaf.meta.tree_id for leaf in leaves], dtype=object)
+        length = max(len(leaf.transcript.response_mask) for leaf in leaves)
+        mask = torch.zeros(len(leaves), length)
+        rewards = torch.zeros(len(leaves), length)
+        for i, leaf in enumerate(leaves):
+            m = leaf.transcript.response_mask[: self.config.response_length]
+            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+            rewards[i, len(m) - 1] = leaf.reward
+        return {"leaves": leaves, "uid": uids, "response_mask": mask, "token_level_rewards": rewards}
+
+    def _advantages(self, batch: dict[str, Any]) -> Any:
+        kwargs = {"token_level_rewards": batch["token_level_rewards"], "response_mask": batch["response_mask"],
+                  "index": batch["uid"], "config": {"gamma": self.config.gamma}}
+        if self.config.estimator == "bpo":
+            kwargs.update(tree_meta=[leaf.meta for leaf in batch["leaves"]], bpo_config=dict(self.config.bpo))
+        advantages, _ = self.estimator_fn(**kwargs)
+        return advantages
+
+    def _response_log_probs(self, leaves: list[Leaf], length: int) -> Any:
+        """Log-probs of every response token under the current weights, ``(leaves, length)``."""
+        import torch
+
+        full = [leaf.transcript.token_ids[: leaf.transcript.prompt_length + length] for leaf in leaves]
+        width = max(len(ids) for ids in full)
+        ids = torch.full((len(full), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for row, seq in enumerate(full):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            attention[row, : len(seq)] = 1
+        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        token_logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        # Position p predicts token p + 1: a leaf's response token j sits at prompt_length + j.
+        starts = torch.tensor([leaf.transcript.prompt_length - 1 for leaf in leaves]).unsqueeze(1)
+        index = (starts + torch.arange(length)).clamp(max=width - 2)
+        return token_logp.gather(1, index)
+
+    def gradient(self, results: list[TreeResult]) -> tuple[float, dict[str, Any]]:
+        """Backpropagate verl's policy-gradient loss for these rollouts; returns the pre-clip gradient norm and
+        the batch (the gradient stays in ``.grad`` for :meth:`step` or for a variance measurement)."""
+        import torch
+
+        batch = self._batch(results)
+        advantages = self._advantages(batch)
+        mask = batch["response_mask"]
+        self.model.train()
+        log_probs = self._response_log_probs(batch["leaves"], mask.shape[1])
+        ratio = torch.exp(log_probs - log_probs.detach())  # 1 on-policy; carries the gradient of log pi
+        loss = self.agg_loss(-advantages * ratio, mask, self.config.loss_agg_mode,
+                             loss_scale_factor=self.config.response_length)
+        self.optimizer.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+        batch["advantages"] = advantages
+        return norm, batch
+
+    def flat_gradient(self) -> np.ndarray:
+        """The current ``.grad`` of every parameter as one vector."""
+        return np.concatenate([p.grad.detach().reshape(-1).numpy() for p in self.model.parameters()
+                               if p.grad is not None])
+
+    def step(self, tasks: Sequence[Mapping[str, Any]]) -> StepStats:
+        """One policy update on one batch of tasks."""
+        import torch
+
+        results = self.rollout(tasks)
+        norm, batch = self.gradient(results)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.updates += 1
+        leaves = batch["leaves"]
+        zero = (batch["advantages"] * batch["response_mask"]).abs().sum(-1) == 0
+        return StepStats(
+            success_rate=sum(leaf.won for leaf in leaves) / len(leaves),
+            leaf_return=sum(leaf.reward for leaf in leaves) / len(leaves),
+            grad_norm=norm,
+            env_steps_per_leaf=float(np.mean([r.metrics["bpo/env_steps_per_leaf"] for r in results])),
+            generated_tokens_per_leaf=float(np.mean([r.metrics["bpo/generated_tokens_per_leaf"] for r in results])),
+            zero_advantage_share=float(zero.float().mean()),
+        )
