@@ -9,7 +9,7 @@ also spend fewer environment steps and generated tokens per leaf, reported along
 
 Measured, per seed and estimator:
 
-* **success curve** — every ``--eval-every`` updates, the success rate of 2 sampled episodes on each of 32 fixed
+* **success curve** — every ``--eval-every`` updates, the success rate of 2 sampled episodes on each of 64 fixed
   evaluation tasks;
 * **updates to target** — the first evaluated update whose success reaches ``--target`` (a seed that never does
   counts as ``--updates`` + ``--eval-every``, stated as censored);
@@ -20,7 +20,7 @@ Measured, per seed and estimator:
 
 95% confidence intervals: paired bootstrap over seeds (learning), bootstrap over draws (variance).
 
-    python benchmarks/learning.py [--seeds 4] [--updates 24] [--target 0.5] [--out runs/learning]
+    python benchmarks/learning.py [--seeds 4] [--updates 32] [--target 0.3] [--out runs/learning]
 
 Last line: {"updates_to_target_bpo_over_grpo": .., "final_success_bpo_minus_grpo": ..,
 "grad_norm_var_bpo_over_grpo": .., ...}. The paper's targets: updates <= 0.62, success difference >= 0.036,
@@ -41,13 +41,13 @@ from verl_bpo.demo import SMOKE, TASKS, DemoSettings, demo_model
 from verl_bpo.local_trainer import LocalRL, LocalRLConfig
 
 ESTIMATORS = ("bpo", "grpo")
-EVAL_TASKS = [{"task_id": i} for i in range(32)]
+EVAL_TASKS = [{"task_id": i} for i in range(64)]
 
 
 def make_config(estimator: str) -> LocalRLConfig:
     s = DemoSettings()
     return LocalRLConfig(estimator=estimator, n_leaves=s.n_leaves, batch_size=s.batch_size, lr=s.lr,
-                         bpo=s.bpo_block())
+                         response_length=s.response_length, bpo=s.bpo_block())
 
 
 def load(model_dir: Path, seed: int):
@@ -130,9 +130,9 @@ def plot(runs: dict, path: Path, target: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=4)
-    parser.add_argument("--updates", type=int, default=24)
+    parser.add_argument("--updates", type=int, default=32)
     parser.add_argument("--eval-every", type=int, default=4)
-    parser.add_argument("--target", type=float, default=0.5, help="evaluation success that counts as reached")
+    parser.add_argument("--target", type=float, default=0.3, help="evaluation success that counts as reached")
     parser.add_argument("--grad-draws", type=int, default=24)
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """The CPU demo: BPO vs GRPO at matched compute in verl's real trainer, on an embedded sandbox, with a tiny model.
 
-    python -m verl_bpo.demo [--steps 8] [--out runs/cpu_demo]
+    python -m verl_bpo.demo [--steps 12] [--out runs/cpu_demo]
 
 1. builds a tiny Qwen2 + tokenizer locally and warm-starts it on random-policy chats of the smoke corridor
    (it learns the action format, not which action wins; see ``verl_bpo.warm_start``);
@@ -28,26 +28,29 @@ from pathlib import Path
 
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.platforms import cpu_launch
-from verl_bpo.tiny_model import build_tiny_model
-from verl_bpo.warm_start import warm_start
+from verl_bpo.tiny_model import build_tiny_model, default_corpus
+from verl_bpo.warm_start import random_policy_chats, warm_start
 
 __all__ = ["DemoSettings", "demo_model", "train", "main"]
 
 logger = logging.getLogger(__name__)
 
-SMOKE = {"length": 3, "max_steps": 6, "key_reward": 0.5, "num_tasks": 64}
+SMOKE = {"length": 2, "max_steps": 6, "key_reward": 0.5, "num_tasks": 128}
 # verl stops at the end of its epochs (trainer.total_epochs=1 on CPU), so the task set must hold steps x batch tasks.
-TASKS = [{"task_id": i} for i in range(64)]
+TASKS = [{"task_id": i} for i in range(128)]
+# Supervised warm start on chats of a noisy expert: 40% the corridor's best action, 60% uniformly random.
+WARM_START = {"episodes": 64, "max_turns": 6, "steps": 200, "expert_prob": 0.4}
 
 
 class DemoSettings:
     """The demo's fixed choices (matched between the two estimators)."""
 
     n_leaves = 8
-    batch_size = 4
-    lr = 2e-4
+    batch_size = 8
+    lr = 3e-4
     max_turns = 6
     max_tokens_per_turn = 6
+    response_length = 384  # six turns and their observations fit
     bpo = {"k": 2, "k0": 2, "max_forks_per_wave": 2}
 
     def bpo_block(self) -> dict:
@@ -56,9 +59,13 @@ class DemoSettings:
 
 
 def demo_model(out: Path) -> Path:
-    """The tiny model, warm-started on the demo corridor's action format (cached under ``out``)."""
-    return warm_start(build_tiny_model(out / "tiny"), out / "tiny_warm", "smoke", TASKS, SMOKE,
-                      episodes=48, max_turns=4, steps=80)
+    """The tiny model, warm-started on the demo corridor (cached under ``out``). Its tokenizer is trained on
+    corridor chats too, so each action word is one token: a policy-gradient step then moves whole actions rather
+    than breaking them into fragments."""
+    corpus = default_corpus() + [m["content"] for chat in random_policy_chats("smoke", SMOKE, TASKS, 256, 6, seed=1)
+                                 for m in chat]
+    tiny = build_tiny_model(out / "tiny", corpus=corpus)
+    return warm_start(tiny, out / "tiny_warm", "smoke", TASKS, SMOKE, **WARM_START)
 
 
 def _bpo_overrides(settings: DemoSettings) -> list[str]:
@@ -99,7 +106,7 @@ def train(estimator: str, model: Path, data: Path, out: Path, steps: int, settin
     """One training run of ``estimator`` through ``python -m verl_bpo.main`` on the CPU platform."""
     overrides = cpu_launch.cpu_overrides(
         model, data, data, output_dir=out, n=settings.n_leaves, batch_size=settings.batch_size, steps=steps,
-        adv_estimator=estimator, max_prompt_length=192, max_response_length=320, lr=settings.lr,
+        adv_estimator=estimator, max_prompt_length=192, max_response_length=settings.response_length, lr=settings.lr,
         extra=_bpo_overrides(settings),
     )
     log_path = out / "console.log"
@@ -158,7 +165,7 @@ def summarize(results: dict[str, cpu_launch.RunResult]) -> dict[str, dict[str, f
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="policy updates per estimator (default 8)")
+    parser.add_argument("--steps", type=int, default=12, help="policy updates per estimator (default 12)")
     parser.add_argument("--out", type=Path, default=Path("runs/cpu_demo"))
     args = parser.parse_args(argv)
     if args.steps * DemoSettings.batch_size > len(TASKS):

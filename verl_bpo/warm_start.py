@@ -1,10 +1,12 @@
-"""Warm-start a tiny model so it speaks a sandbox's action format, with no preference among actions.
+"""Warm-start a tiny model so it speaks a sandbox's action format (the SFT stage before RL).
 
 A randomly initialised tiny model almost never writes a valid action, so every rollout earns the same reward and
 RL has nothing to compare. Before the CPU demo and the end-to-end tests train with RL, this module fine-tunes the
 tiny model (supervised, a few hundred steps on CPU) on transcripts of a **uniformly random** policy over the
 sandbox's admissible actions: the model learns the chat format and the action vocabulary, not which action is good.
-Anything it learns about winning afterwards comes from RL.
+With ``expert_prob > 0`` (sandboxes that have ``best_action()``, such as smoke) a share of the turns imitate the
+sandbox's expert instead, like an SFT stage on noisy demonstrations: the model starts weak but not hopeless, and
+what it learns beyond that comes from RL.
 
     python -m verl_bpo.warm_start MODEL_DIR OUT_DIR --sandbox smoke --tasks 0-7
 """
@@ -28,10 +30,16 @@ _STAMP = "warm_start.json"
 
 
 def random_policy_chats(sandbox: str, sandbox_config: Mapping[str, Any] | None, tasks: Sequence[Mapping[str, Any]],
-                        episodes: int, max_turns: int, seed: int = 0) -> list[list[dict[str, str]]]:
-    """Chats (system, user, assistant, user, ...) of a policy that picks admissible actions uniformly at random."""
+                        episodes: int, max_turns: int, seed: int = 0,
+                        expert_prob: float = 0.0) -> list[list[dict[str, str]]]:
+    """Chats (system, user, assistant, user, ...) of a policy that picks admissible actions uniformly at random, or,
+    with probability ``expert_prob``, the sandbox's ``best_action()``."""
     rng = random.Random(seed)
     box = make_sandbox(sandbox, sandbox_config)
+    if expert_prob > 0 and not hasattr(box, "best_action"):
+        box.close()
+        raise ValueError(f"warm start: expert_prob={expert_prob} needs a sandbox with best_action(); "
+                         f"{sandbox!r} has none, so use expert_prob=0")
     chats = []
     try:
         for i in range(episodes):
@@ -40,7 +48,10 @@ def random_policy_chats(sandbox: str, sandbox_config: Mapping[str, Any] | None, 
             chat = [{"role": "system", "content": box.system_prompt()},
                     {"role": "user", "content": box.first_user_message(obs)}]
             for _ in range(max_turns):
-                action = rng.choice(list(obs.info["admissible_commands"]))
+                if rng.random() < expert_prob:
+                    action = box.best_action()
+                else:
+                    action = rng.choice(list(obs.info["admissible_commands"]))
                 chat.append({"role": "assistant", "content": action})
                 result = box.step(action)
                 if result.done:
@@ -73,12 +84,14 @@ def _tokenize(tokenizer, chat: list[dict[str, str]]) -> tuple[list[int], list[in
 
 def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: Sequence[Mapping[str, Any]],
                sandbox_config: Mapping[str, Any] | None = None, episodes: int = 64, max_turns: int = 6,
-               steps: int = 150, batch_size: int = 8, lr: float = 3e-3, seed: int = 0) -> Path:
-    """Fine-tune ``model_dir`` on random-policy chats into ``out_dir`` (skipped if already done identically)."""
+               steps: int = 150, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,
+               expert_prob: float = 0.0) -> Path:
+    """Fine-tune ``model_dir`` on random-policy chats into ``out_dir`` (skipped if already done identically);
+    ``expert_prob`` mixes in the sandbox's ``best_action()`` (see :func:`random_policy_chats`)."""
     out = Path(out_dir)
     settings = {"model_dir": str(model_dir), "sandbox": sandbox, "config": dict(sandbox_config or {}),
                 "tasks": [dict(t) for t in tasks], "episodes": episodes, "max_turns": max_turns, "steps": steps,
-                "batch_size": batch_size, "lr": lr, "seed": seed}
+                "batch_size": batch_size, "lr": lr, "seed": seed, "expert_prob": expert_prob}
     stamp = out / _STAMP
     if stamp.is_file() and json.loads(stamp.read_text()) == settings:
         return out
@@ -90,7 +103,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     data = [_tokenize(tokenizer, chat) for chat in random_policy_chats(
-        sandbox, sandbox_config, tasks, episodes, max_turns, seed)]
+        sandbox, sandbox_config, tasks, episodes, max_turns, seed, expert_prob)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     pad = tokenizer.pad_token_id
