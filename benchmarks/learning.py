@@ -20,7 +20,7 @@ Measured, per seed and estimator:
 
 95% confidence intervals: paired bootstrap over seeds (learning), bootstrap over draws (variance).
 
-    python benchmarks/learning.py [--seeds 4] [--updates 32] [--target 0.3] [--out runs/learning]
+    python benchmarks/learning.py [--seeds 4] [--updates 24] [--target 0.5] [--out runs/learning]
 
 Last line: {"updates_to_target_bpo_over_grpo": .., "final_success_bpo_minus_grpo": ..,
 "grad_norm_var_bpo_over_grpo": .., ...}. The paper's targets: updates <= 0.62, success difference >= 0.036,
@@ -130,9 +130,9 @@ def plot(runs: dict, path: Path, target: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=4)
-    parser.add_argument("--updates", type=int, default=32)
-    parser.add_argument("--eval-every", type=int, default=4)
-    parser.add_argument("--target", type=float, default=0.3, help="evaluation success that counts as reached")
+    parser.add_argument("--updates", type=int, default=24)
+    parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument("--target", type=float, default=0.5, help="evaluation success that counts as reached")
     parser.add_argument("--grad-draws", type=int, default=24)
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()

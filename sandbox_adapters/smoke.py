@@ -64,6 +64,9 @@ class SmokeSandbox(Sandbox):
             seed: seed of the slip random number generator at reset (default 0; only used when ``slip_prob > 0``).
             key_reward: reward for picking up the key (default 0.0). A shaping reward: it gives a barely trained
                 model's rollouts different returns more often, so short runs and tests see learning signal.
+            invalid_penalty: reward subtracted for a turn without a valid action (default 0.0). Without it, a
+                policy that loses the output format (e.g. stops ending its turns) earns 0 everywhere, every
+                advantage is 0, and nothing pulls it back; with it, valid turns keep winning comparisons.
         """
 
         length: int = 4
@@ -72,6 +75,7 @@ class SmokeSandbox(Sandbox):
         slip_prob: float = 0.0
         seed: int = 0
         key_reward: float = 0.0
+        invalid_penalty: float = 0.0
 
         def __post_init__(self) -> None:
             if self.length < 2:
@@ -146,10 +150,11 @@ class SmokeSandbox(Sandbox):
         if not result.info.get("invalid_action"):
             return result
         self._state.steps += 1
+        reward = -self.config.invalid_penalty
         if self._state.steps < self.config.max_steps:
-            return result
+            return dataclasses.replace(result, reward=reward)
         info = {**result.info, **self._info(), "won": False}
-        return StepResult(Observation(f"{result.observation.text}\nYou ran out of steps.", info), 0.0, True, info)
+        return StepResult(Observation(f"{result.observation.text}\nYou ran out of steps.", info), reward, True, info)
 
     def _apply(self, action: str) -> StepResult:
         try:

@@ -93,3 +93,26 @@ def test_a_step_updates_the_weights_and_reports_the_rollout(model_dir):
     assert 0 <= stats.success_rate <= 1 and stats.env_steps_per_leaf > 0 and stats.generated_tokens_per_leaf > 0
     assert 0 <= stats.zero_advantage_share <= 1 and stats.grad_norm >= 0
     assert trainer.updates == 1 and trainer.optimizer.state  # AdamW took its step
+
+
+def test_warm_start_chats_follow_the_expert_as_often_as_asked():
+    from sandbox_adapters.smoke import SmokeSandbox
+    from verl_bpo.warm_start import random_policy_chats
+
+    tasks = [{"task_id": i} for i in range(8)]
+
+    def expert_share(prob):
+        chats = random_policy_chats("smoke", {"length": 3, "max_steps": 8}, tasks, 64, 6, seed=3, expert_prob=prob)
+        box, hits, turns = SmokeSandbox(SmokeSandbox.Config(length=3, max_steps=8)), 0, 0
+        for i, chat in enumerate(chats):  # replay each chat and compare every action with the expert's choice
+            box.reset(tasks[i % len(tasks)])
+            for message in chat[2::2]:
+                hits += message["content"] == box.best_action()
+                turns += 1
+                box.step(message["content"])
+        return hits / turns
+
+    assert expert_share(1.0) == 1.0
+    assert 0.15 < expert_share(0.0) < 0.3  # one in five actions matches by chance
+    with pytest.raises(ValueError, match="expert_prob"):
+        random_policy_chats("textworld", {}, [{}], 1, 1, expert_prob=0.5)

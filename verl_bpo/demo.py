@@ -35,19 +35,19 @@ __all__ = ["DemoSettings", "demo_model", "train", "main"]
 
 logger = logging.getLogger(__name__)
 
-SMOKE = {"length": 2, "max_steps": 6, "key_reward": 0.5, "num_tasks": 128}
+SMOKE = {"length": 2, "max_steps": 6, "key_reward": 0.5, "invalid_penalty": 0.1, "num_tasks": 128}
 # verl stops at the end of its epochs (trainer.total_epochs=1 on CPU), so the task set must hold steps x batch tasks.
 TASKS = [{"task_id": i} for i in range(128)]
-# Supervised warm start on chats of a noisy expert: 40% the corridor's best action, 60% uniformly random.
-WARM_START = {"episodes": 64, "max_turns": 6, "steps": 200, "expert_prob": 0.4}
+# Supervised warm start on chats of a noisy expert: half the corridor's best action, half uniformly random.
+WARM_START = {"episodes": 64, "max_turns": 6, "steps": 200, "expert_prob": 0.5}
 
 
 class DemoSettings:
     """The demo's fixed choices (matched between the two estimators)."""
 
     n_leaves = 8
-    batch_size = 8
-    lr = 3e-4
+    batch_size = 4
+    lr = 5e-4
     max_turns = 6
     max_tokens_per_turn = 6
     response_length = 384  # six turns and their observations fit

@@ -160,3 +160,26 @@ def test_key_reward_shapes_the_key_pickup_only():
     box.reset(task)
     rewards = [box.step(a).reward for a in box.solution(task)]
     assert rewards[-1] == 1.0 and 0.25 in rewards and sum(rewards) == 1.25
+
+
+def test_invalid_penalty_charges_turns_without_an_action_only():
+    box = SmokeSandbox(SmokeSandbox.Config(invalid_penalty=0.1, max_steps=3))
+    box.reset({"task_id": 2})
+    assert box.step("look").reward == 0.0
+    assert box.step("dance wildly").reward == pytest.approx(-0.1)
+    last = box.step("east key key key")  # the third turn: invalid, and the step limit ends the episode
+    assert last.done and last.reward == pytest.approx(-0.1) and not last.info["won"]
+
+
+@pytest.mark.parametrize("task_id", range(8))
+def test_best_action_wins_from_any_state(task_id):
+    box = SmokeSandbox(SmokeSandbox.Config(length=4, max_steps=30))
+    task = {"task_id": task_id}
+    box.reset(task)
+    for action in ("west", "east", "east", "take key", "west"):  # wander first (possibly taking the key)
+        box.step(action)
+    for _ in range(10):
+        result = box.step(box.best_action())
+        if result.done:
+            break
+    assert result.info["won"]
