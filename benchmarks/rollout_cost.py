@@ -6,7 +6,11 @@ training step twice through ``python -m verl_bpo.main``: ``adv_estimator=bpo`` (
 ``adv_estimator=grpo`` (flat groups through the same agent loop). The sampler's own metrics give environment steps
 and generated tokens per leaf; verl's ``timing_s/gen`` gives the rollout wall time.
 
-    python benchmarks/rollout_cost.py [--out runs/rollout_cost] [--tasks 2]
+Where the forks land decides how much a tree shares: with ``bpo.max_forks_per_wave=null`` the six forks of N = 8,
+K = 2 all happen in the first three turns (a near-balanced tree, little sharing); with 1 (the default here) one
+fork per turn spreads them over the 8-turn horizon, so leaves share longer prefixes.
+
+    python benchmarks/rollout_cost.py [--out runs/rollout_cost] [--tasks 2] [--max-forks-per-wave 1]
 
 Last line: {"env_steps_per_leaf_tree_over_flat": .., "gen_tokens_per_leaf_tree_over_flat": ..,
 "wall_tree_over_flat": ..} (means over the sandboxes; per-sandbox values follow under "by_sandbox").

@@ -7,7 +7,8 @@ actions. A step takes microseconds and a snapshot is a copy of five small values
 sampler tests can fork it freely.
 
 Actions (the whole vocabulary): ``west``, ``east``, ``take key``, ``open door``, ``look``. The model may write the
-action alone (``east``) or on a line ``action: east``; ``go east`` is accepted too. With ``Config.slip_prob > 0``
+action alone (``east``) or on a line ``action: east``; ``go east`` is accepted too, and so is a reply that starts
+with an action and runs on (``east key key``). With ``Config.slip_prob > 0``
 moves fail at random (seeded, re-seeded by ``restore(..., seed)``), which makes the sandbox stochastic.
 
 Task specification: ``{"task_id": <int>}`` with ``0 <= task_id < Config.num_tasks``.
@@ -34,6 +35,7 @@ from sandbox_adapters.base import (
 __all__ = ["SmokeSandbox", "ACTIONS"]
 
 ACTIONS: tuple[str, ...] = ("west", "east", "take key", "open door", "look")
+_BY_LENGTH = sorted(ACTIONS, key=len, reverse=True)
 _ALIASES = {"go west": "west", "go east": "east", "take the key": "take key", "open the door": "open door"}
 _ACTION_LINE = re.compile(r"^\s*action\s*:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 
@@ -143,7 +145,9 @@ class SmokeSandbox(Sandbox):
         candidate = lines[-1] if lines else text
         candidate = " ".join(candidate.lower().strip().strip(".!`'\"").split())
         candidate = _ALIASES.get(candidate, candidate)
-        return candidate if candidate in ACTIONS else None
+        # A reply that starts with an action and rambles on ("take key key key", a turn cut at its token limit)
+        # still acts: losing the end-of-turn habit should cost tokens, not make every episode unwinnable.
+        return next((a for a in _BY_LENGTH if candidate == a or candidate.startswith(a + " ")), None)
 
     def _step_text(self, action_text: str) -> StepResult:
         result = super()._step_text(action_text)

@@ -302,3 +302,23 @@ def test_prepare_data_runs_as_a_module(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "4 train rows" in out.stdout and "2 val rows" in out.stdout and "not WebShop" in out.stdout
     assert len(read_rows(tmp_path / "train.parquet")) == 4
+
+
+def test_the_cpu_demo_runs_compose_and_differ_only_in_the_estimator(tmp_path):
+    from sandbox_adapters.registry import make_sandbox
+    from verl_bpo import demo
+
+    settings = demo.DemoSettings()
+    configs = {e: flat(compose_recipe(demo.run_overrides(e, tmp_path / "model", tmp_path / "train.parquet",
+                                                         tmp_path / "out", 12, settings)))
+               for e in ("bpo", "grpo")}
+    differ = {k for k in configs["bpo"].keys() | configs["grpo"].keys()
+              if configs["bpo"].get(k) != configs["grpo"].get(k)}
+    assert differ == {"algorithm.adv_estimator"}
+    cfg = compose_recipe(demo.run_overrides("bpo", tmp_path / "m", tmp_path / "t.parquet", tmp_path / "o", 12, settings))
+    bpo = prepare_config(cfg)
+    assert cfg.actor_rollout_ref.rollout.n == settings.n_leaves and cfg.data.train_batch_size == settings.batch_size
+    assert bpo.sandbox.name == "smoke" and dict(bpo.sandbox.config) == demo.SMOKE
+    make_sandbox("smoke", dict(bpo.sandbox.config)).close()  # the sandbox accepts the demo's settings
+    # verl stops after one pass over the task set on CPU: the default steps must fit in it
+    assert 12 * settings.batch_size <= len(demo.TASKS)

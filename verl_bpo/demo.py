@@ -2,8 +2,9 @@
 
     python -m verl_bpo.demo [--steps 12] [--out runs/cpu_demo]
 
-1. builds a tiny Qwen2 + tokenizer locally and warm-starts it on random-policy chats of the smoke corridor
-   (it learns the action format, not which action wins; see ``verl_bpo.warm_start``);
+1. builds a tiny Qwen2 + tokenizer locally and warm-starts it on chats of a noisy expert in a two-room smoke
+   corridor (half the turns the expert's, half random; see ``verl_bpo.warm_start``): it learns the action format
+   and starts weak, so there is room for RL to show;
 2. writes the task set (smoke corridor tasks) as verl parquet;
 3. trains with ``algorithm.adv_estimator=bpo`` (trees of N leaves) and with ``grpo`` (N independent rollouts through
    the same agent loop) — same tasks, leaves, batch, steps and learning rate — via ``python -m verl_bpo.main`` on
@@ -12,8 +13,8 @@
    returns, advantages) and ``summary.json``, and prints a summary table.
 
 What it shows: the whole stack (sandbox snapshots and forks, tree metadata through verl's TransferQueue, the
-registered estimator, verl's FSDP update and weight sync to vLLM) working end to end, and the training curves of
-both estimators on one seed. What it does not show: a statistically solid comparison — that takes several seeds
+registered estimator, verl's FSDP update and weight sync to vLLM) working end to end, and success rising under
+both estimators on one seed. What it does not show: which estimator is better — that takes several seeds
 (``benchmarks/learning.py``) and more steps than a 2-core machine affords in minutes.
 """
 
@@ -101,14 +102,19 @@ class _Progress(threading.Thread):
         self.join()
 
 
-def train(estimator: str, model: Path, data: Path, out: Path, steps: int, settings: DemoSettings,
-          timeout_s: int = 1800) -> cpu_launch.RunResult:
-    """One training run of ``estimator`` through ``python -m verl_bpo.main`` on the CPU platform."""
-    overrides = cpu_launch.cpu_overrides(
+def run_overrides(estimator: str, model: Path, data: Path, out: Path, steps: int, settings: DemoSettings) -> list[str]:
+    """verl overrides of one demo run; the two estimators' runs differ only in ``algorithm.adv_estimator``."""
+    return cpu_launch.cpu_overrides(
         model, data, data, output_dir=out, n=settings.n_leaves, batch_size=settings.batch_size, steps=steps,
         adv_estimator=estimator, max_prompt_length=192, max_response_length=settings.response_length, lr=settings.lr,
         extra=_bpo_overrides(settings),
     )
+
+
+def train(estimator: str, model: Path, data: Path, out: Path, steps: int, settings: DemoSettings,
+          timeout_s: int = 1800) -> cpu_launch.RunResult:
+    """One training run of ``estimator`` through ``python -m verl_bpo.main`` on the CPU platform."""
+    overrides = run_overrides(estimator, model, data, out, steps, settings)
     log_path = out / "console.log"
     progress = _Progress(log_path, estimator, steps)
     progress.start()
@@ -133,12 +139,18 @@ def plot_learning(results: dict[str, cpu_launch.RunResult], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, result in results.items():
+    for color, (name, result) in zip(("tab:blue", "tab:orange"), results.items()):
         steps = sorted(result.metrics)
-        axes[0].plot(steps, series(result, "bpo/success_rate"), marker="o", label=name.upper())
-        axes[1].plot(steps, series(result, "bpo/leaf_return"), marker="o", label=name.upper())
+        for ax, key in zip(axes, ("bpo/success_rate", "bpo/leaf_return")):
+            values = series(result, key)
+            # One step's rollouts are few (batch x N leaves): raw points, and a 3-step moving mean to read the trend.
+            ax.plot(steps, values, "o", color=color, alpha=0.35)
+            ax.plot(steps, [sum(values[max(0, i - 2): i + 1]) / len(values[max(0, i - 2): i + 1])
+                            for i in range(len(values))], "-", color=color, lw=2, label=f"{name.upper()} (3-step mean)")
     axes[0].set(xlabel="policy updates", ylabel="success rate (leaves that won)", title="Success")
-    axes[1].set(xlabel="policy updates", ylabel="mean leaf return", title="Return (key 0.5 + door 1.0)")
+    penalty = f" - {SMOKE['invalid_penalty']} per invalid turn" if SMOKE.get("invalid_penalty") else ""
+    axes[1].set(xlabel="policy updates", ylabel="mean leaf return",
+                title=f"Return (key {SMOKE['key_reward']} + door 1.0{penalty})")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
