@@ -16,7 +16,8 @@ Measured, per seed and estimator:
 * **final success** — the mean of the last two evaluations;
 * **gradient variance** — at the warm-start policy, ``--grad-draws`` independent batches (same tasks) per estimator:
   tr Cov(ĝ) / ‖E ĝ‖² (scale-free, since GRPO's std scaling changes the gradient's scale; as in
-  ``benchmarks/variance.py``); the raw tr Cov ratio is printed too.
+  ``benchmarks/variance.py``); the raw tr Cov ratio is printed too, and both against RLOO (unbiased, and on BPO's
+  scale, so there the raw ratio compares like with like).
 
 95% confidence intervals: paired bootstrap over seeds (learning), bootstrap over draws (variance).
 
@@ -41,6 +42,8 @@ from verl_bpo.demo import SMOKE, TASKS, DemoSettings, demo_model
 from verl_bpo.local_trainer import LocalRL, LocalRLConfig
 
 ESTIMATORS = ("bpo", "grpo")
+# RLOO is the unbiased flat baseline on BPO's own scale: its gradient variance is compared too (not trained).
+GRADIENT_ESTIMATORS = ("bpo", "grpo", "rloo")
 EVAL_TASKS = [{"task_id": i} for i in range(64)]
 
 
@@ -80,7 +83,7 @@ def gradient_variance(model_dir: Path, draws: int, seed: int = 0) -> dict:
     """tr Cov and ‖E ĝ‖² of each estimator's gradient at the warm-start policy, over ``draws`` batches."""
     tasks = TASKS[: DemoSettings.batch_size]
     grads = {}
-    for estimator in ESTIMATORS:
+    for estimator in GRADIENT_ESTIMATORS:
         model, tokenizer = load(model_dir, seed)
         trainer = LocalRL(model, tokenizer, "smoke", SMOKE, make_config(estimator), seed=seed)
         rows = []
@@ -147,8 +150,8 @@ def main() -> None:
     print(f"gradient at the warm start ({args.grad_draws} draws): "
           + ", ".join(f"{e} tr Cov {v[0]:.3g} |E g|^2 {v[1]:.3g}" for e, v in var.items()), flush=True)
 
-    def rel_ratio(idx: np.ndarray) -> float:
-        b, g = (variance_stats(grads[e][idx]) for e in ESTIMATORS)
+    def rel_ratio(idx: np.ndarray, baseline: str = "grpo") -> float:
+        b, g = (variance_stats(grads[e][idx]) for e in ("bpo", baseline))
         return (b[0] / max(b[1], 1e-30)) / (g[0] / max(g[1], 1e-30))
 
     runs: dict[str, list[dict]] = {e: [] for e in ESTIMATORS}
@@ -178,6 +181,9 @@ def main() -> None:
             "grad_norm_var_bpo_over_grpo": bootstrap(rel_ratio, args.grad_draws),
         },
         "raw_grad_var_bpo_over_grpo": var["bpo"][0] / var["grpo"][0],
+        "grad_var_bpo_over_rloo": var["bpo"][0] / var["rloo"][0],
+        "grad_rel_var_bpo_over_rloo": rel["bpo"] / rel["rloo"],
+        "grad_rel_var_bpo_over_rloo_ci95": bootstrap(lambda i: rel_ratio(i, "rloo"), args.grad_draws),
         "target_success": args.target,
         "updates_to_target": {e: reach[e].tolist() for e in ESTIMATORS},
         "censored_at": censored,
