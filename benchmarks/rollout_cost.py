@@ -12,6 +12,9 @@ fork per turn spreads them over the 8-turn horizon, so leaves share longer prefi
 
     python benchmarks/rollout_cost.py [--out runs/rollout_cost] [--tasks 2] [--max-forks-per-wave 1]
 
+Memory: flat mode keeps tasks × 8 engines alive at once; ``--tasks 4`` (32 TextWorld engines next to vLLM and FSDP)
+was stopped by Ray's OOM killer on a 23 GB box, ``--tasks 2`` fits.
+
 Last line: {"env_steps_per_leaf_tree_over_flat": .., "gen_tokens_per_leaf_tree_over_flat": ..,
 "wall_tree_over_flat": ..} (means over the sandboxes; per-sandbox values follow under "by_sandbox").
 Targets: env steps per leaf <= 0.7, generated tokens per leaf <= 0.75, wall <= 0.9.
