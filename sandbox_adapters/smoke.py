@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from sandbox_adapters.base import (
+    ACTION_LINE,
     Observation,
     RestoreFailed,
     Sandbox,
@@ -37,7 +37,6 @@ __all__ = ["SmokeSandbox", "ACTIONS"]
 ACTIONS: tuple[str, ...] = ("west", "east", "take key", "open door", "look")
 _BY_LENGTH = sorted(ACTIONS, key=len, reverse=True)
 _ALIASES = {"go west": "west", "go east": "east", "take the key": "take key", "open the door": "open door"}
-_ACTION_LINE = re.compile(r"^\s*action\s*:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 
 
 @dataclasses.dataclass
@@ -141,7 +140,7 @@ class SmokeSandbox(Sandbox):
         return Observation(f"{intro}\n{self._describe()}", self._info())
 
     def parse_action(self, text: str) -> str | None:
-        lines = _ACTION_LINE.findall(text)
+        lines = ACTION_LINE.findall(text)
         candidate = lines[-1] if lines else text
         candidate = " ".join(candidate.lower().strip().strip(".!`'\"").split())
         candidate = _ALIASES.get(candidate, candidate)

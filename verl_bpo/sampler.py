@@ -238,6 +238,7 @@ class TreeSampler:
         self._forks = 0
         self._generated_tokens = 0
         self._versions: dict[str, int] = {}
+        self._system_prompt = ""  # of the last sandbox whose reset failed: the prompt of an unstarted tree's leaves
 
     # --- sandbox calls, off the event loop and under a time limit ----------------------------------------------
     async def _call(self, fn: Callable[..., Any], *args: Any, timing: str | None = None) -> Any:
@@ -316,6 +317,7 @@ class TreeSampler:
             except Exception as exc:
                 logger.warning("tree %s: sandbox reset failed: %r", self.tree_id, exc)
                 error = exc
+                self._system_prompt = box.system_prompt()  # for the failed leaves' prompt, without another sandbox
                 await self._close_sandbox(box)
         return error
 
@@ -324,13 +326,8 @@ class TreeSampler:
         trajectories stops verl's training step). Each leaf is one empty turn: its response is a mask-0 note, its
         reward 0, and all leaves are flat siblings, so every advantage in the group is 0."""
         n = self.config.branching.n_leaves
-        box = self.make_sandbox()
-        try:
-            system = box.system_prompt()
-        finally:
-            await self._close_sandbox(box)
         note = f"{type(error).__name__}: {error}"
-        messages = [{"role": "system", "content": system},
+        messages = [{"role": "system", "content": self._system_prompt},
                     {"role": "user", "content": f"The environment failed to start ({note})."}]
         prompt_ids = await self.codec.start(messages)
         base = Transcript(messages, list(prompt_ids), len(prompt_ids))
