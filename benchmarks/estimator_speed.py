@@ -21,7 +21,7 @@ import torch
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 import verl_bpo.estimator  # noqa: F401  (registers "bpo")
-from verl_bpo.tree_meta import LeafMeta
+from verl_bpo.core.leaf_meta import LeafMeta
 
 
 def synthetic_trees(rows: int, length: int, leaves: int, rng: np.random.Generator):

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from verl_bpo.demo import SMOKE, TASKS, DemoSettings, demo_model
-from verl_bpo.local_trainer import LocalRL, LocalRLConfig
+from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 
 ESTIMATORS = ("bpo", "grpo")
 # RLOO is the unbiased flat baseline on BPO's own scale: its gradient variance is compared too (not trained).

@@ -10,7 +10,7 @@
 # Other shapes: NNODES / N_GPUS_PER_NODE, and ROLLOUT_TP (vLLM tensor parallel size) for smaller GPUs.
 #
 # Environment knobs: MODEL_PATH (set by the run script, overridable), DATA_DIR (where `python -m
-# verl_bpo.prepare_data <benchmark> --out DIR` wrote train.parquet/val.parquet), PYTHON (default python3),
+# verl_bpo.data.prepare <benchmark> --out DIR` wrote train.parquet/val.parquet), PYTHON (default python3),
 # PROJECT_NAME, NNODES, N_GPUS_PER_NODE, ROLLOUT_TP, and VERL_BPO_DRY_RUN=1 to print the command (one argument per
 # line, nothing else) instead of running it.
 

@@ -172,6 +172,8 @@ class Sandbox(abc.ABC):
     Class attributes:
         name: registry name (``bpo.sandbox.name``).
         thread_safe: False when instances must not be called concurrently from several threads.
+        blocking: False for pure in-process engines whose calls take microseconds and cannot hang; the sampler then
+            calls them on its event loop instead of a worker thread (which would cost ~100x the call).
         deterministic: True when the same state + the same action always gives the same transition.
         snapshot_kind: the mechanism ``snapshot()`` uses.
     """
@@ -180,6 +182,7 @@ class Sandbox(abc.ABC):
     # False when the engine keeps process-global state that concurrent calls on *different* instances corrupt
     # (TextWorld's grammar parser); the tree sampler then runs one call of that class at a time.
     thread_safe: ClassVar[bool] = True
+    blocking: ClassVar[bool] = True
     deterministic: ClassVar[bool] = True
     snapshot_kind: ClassVar[SnapshotKind] = SnapshotKind.REPLAY
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from sandbox_adapters.base import Sandbox
 
-__all__ = ["SANDBOX_REGISTRY", "register_sandbox", "get_sandbox_cls", "make_sandbox"]
+__all__ = ["SANDBOX_REGISTRY", "register_sandbox", "get_sandbox_cls", "check_sandbox_config", "make_sandbox"]
 
 # name -> "module:Class"; adapters in this package are listed here, others call register_sandbox().
 SANDBOX_REGISTRY: dict[str, str | type[Sandbox]] = {
@@ -53,19 +53,27 @@ def get_sandbox_cls(name: str) -> type[Sandbox]:
     return entry
 
 
-def make_sandbox(name: str, config: Mapping[str, Any] | None = None) -> Sandbox:
-    """Build the adapter ``name`` from the keys of ``config`` (its ``Config`` dataclass fields)."""
+def check_sandbox_config(name: str, config: Mapping[str, Any] | None = None) -> Any:
+    """The adapter's ``Config`` built from ``config`` (``None`` for adapters without one), without starting any
+    engine: an unknown name, an unknown key or a bad value fails here with the field named."""
     cls = get_sandbox_cls(name)
     config_cls = getattr(cls, "Config", None)
     config = dict(config or {})
     if config_cls is None:
         if config:
             raise ValueError(f"bpo.sandbox.config: sandbox {name!r} takes no config keys, got {sorted(config)}")
-        return cls()
+        return None
     known = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(
             f"bpo.sandbox.config: unknown key(s) {unknown} for sandbox {name!r}; valid keys: {sorted(known)}"
         )
-    return cls(config_cls(**config))
+    return config_cls(**config)
+
+
+def make_sandbox(name: str, config: Mapping[str, Any] | None = None) -> Sandbox:
+    """Build the adapter ``name`` from the keys of ``config`` (its ``Config`` dataclass fields)."""
+    built = check_sandbox_config(name, config)
+    cls = get_sandbox_cls(name)
+    return cls() if built is None else cls(built)

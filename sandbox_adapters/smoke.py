@@ -87,6 +87,7 @@ class SmokeSandbox(Sandbox):
                 raise ValueError(f"smoke: slip_prob must be in [0, 1), got {self.slip_prob}")
 
     name: ClassVar[str] = "smoke"
+    blocking: ClassVar[bool] = False  # microseconds per call, nothing to wait on
     snapshot_kind: ClassVar[SnapshotKind] = SnapshotKind.NATIVE
 
     def __init__(self, config: SmokeSandbox.Config | None = None) -> None:

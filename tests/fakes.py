@@ -13,7 +13,7 @@ import time
 
 from sandbox_adapters.base import RestoreFailed, SandboxCrashed
 from sandbox_adapters.smoke import ACTIONS, SmokeSandbox
-from verl_bpo.sampler import Transcript
+from verl_bpo.rollout.protocols import Transcript
 
 WORDS = ["<unk>", "<eos>", *sorted({w for a in ACTIONS for w in a.split()})]
 WORD_ID = {w: i for i, w in enumerate(WORDS)}
@@ -104,6 +104,8 @@ class CrashingSmoke(CountingSmoke):
 
 class HangingSmoke(CountingSmoke):
     """Fault injection: the third step hangs far past the sampler's timeout."""
+
+    blocking = True  # it sleeps: it must run on a worker thread, where the time limit applies
 
     def _apply(self, action):
         if len(self.actions) == 2:

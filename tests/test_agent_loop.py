@@ -19,12 +19,12 @@ from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
 from tests.fakes import UnstartableSmoke
-from verl_bpo import agent_loop
-from verl_bpo.agent_loop import TREE_METRICS_KEY, BPOTreeAgentLoop
-from verl_bpo.estimator import compute_bpo_advantage
-from verl_bpo.tiny_model import build_tiny_model
-from verl_bpo.trainer import column, tree_metrics
-from verl_bpo.tree_meta import META_KEY
+from verl_bpo.integration import agent_loop
+from verl_bpo.integration.agent_loop import TREE_METRICS_KEY, BPOTreeAgentLoop
+from verl_bpo.integration.estimator import compute_bpo_advantage
+from verl_bpo.demo.tiny_model import build_tiny_model
+from verl_bpo.integration.trainer import column, tree_metrics
+from verl_bpo.core.leaf_meta import META_KEY
 
 
 @pytest.fixture(scope="module")

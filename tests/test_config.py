@@ -76,7 +76,7 @@ def test_bad_settings_fail_before_anything_starts(overrides, message):
     ],
 )
 def test_stock_launch_guard_only_fires_for_stock_main_ppo_with_bpo(argv, exits):
-    from verl_bpo.stock_launch import check_stock_launch
+    from verl_bpo.integration.stock_launch import check_stock_launch
 
     if exits:
         with pytest.raises(SystemExit, match="python -m verl_bpo.main"):

@@ -15,8 +15,8 @@ from verl.trainer.ppo.core_algos import (
 )
 
 from tests.trees import leaf_batch
-from verl_bpo.estimator import compute_bpo_advantage
-from verl_bpo.tree_meta import LeafMeta
+from verl_bpo.integration.estimator import compute_bpo_advantage
+from verl_bpo.core.leaf_meta import LeafMeta
 
 
 def run_bpo(batch, **kw):

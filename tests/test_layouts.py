@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.trees import random_tree_paths
-from verl_bpo.estimator import compute_bpo_advantage
-from verl_bpo.tree import Forest, compute_credit
-from verl_bpo.tree_meta import LeafMeta
+from verl_bpo.integration.estimator import compute_bpo_advantage
+from verl_bpo.core.tree import Forest, compute_credit
+from verl_bpo.core.leaf_meta import LeafMeta
 
 VOCAB = 23
 
@@ -71,11 +71,12 @@ def test_T5_leaf_and_segment_layouts_give_identical_gradients(seed):
         responses.append(response)
     length = max(map(len, responses))
     mask = torch.zeros(n, length)
+    rewards = torch.zeros(n, length)  # as verl lays them out: the row's return on its last response token
     for i, m in enumerate(metas):
         for s, e in m.turn_spans:
             mask[i, s:e] = 1
-    adv, _ = compute_bpo_advantage(torch.zeros(n, length), mask, index=np.array(["t"] * n, dtype=object),
-                                   tree_meta=metas)
+        rewards[i, len(responses[i]) - 1] = sum(m.turn_rewards)
+    adv, _ = compute_bpo_advantage(rewards, mask, index=np.array(["t"] * n, dtype=object), tree_meta=metas)
     leaf_rows = [(prompt + r, [0.0] * len(prompt) + adv[i, : len(r)].tolist()) for i, r in enumerate(responses)]
 
     # Segment rows straight from the tree credit.

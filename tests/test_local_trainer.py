@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verl_bpo.hf_rollout import BatchedHFClient
-from verl_bpo.local_trainer import LocalRL, LocalRLConfig
-from verl_bpo.tiny_model import build_tiny_model
+from verl_bpo.local.hf_client import BatchedHFClient
+from verl_bpo.local.trainer import LocalRL, LocalRLConfig
+from verl_bpo.demo.tiny_model import build_tiny_model
 
 SMOKE = {"length": 3, "max_steps": 4}
 BPO = {"k": 2, "k0": 2, "max_turns": 3, "max_tokens_per_turn": 4}
@@ -97,7 +97,7 @@ def test_a_step_updates_the_weights_and_reports_the_rollout(model_dir):
 
 def test_warm_start_chats_follow_the_expert_as_often_as_asked():
     from sandbox_adapters.smoke import SmokeSandbox
-    from verl_bpo.warm_start import random_policy_chats
+    from verl_bpo.demo.warm_start import random_policy_chats
 
     tasks = [{"task_id": i} for i in range(8)]
 

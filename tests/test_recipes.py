@@ -192,7 +192,7 @@ def sandbox_config(rows: list[dict]) -> dict:
 def test_agent_name_matches_the_agent_loop():
     import inspect
 
-    from verl_bpo.agent_loop import AGENT_NAME
+    from verl_bpo.integration.agent_loop import AGENT_NAME
 
     assert inspect.signature(sandbox_rows).parameters["agent_name"].default == AGENT_NAME
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from sandbox_adapters.smoke import SmokeSandbox
 from tests.fakes import (
     WORD_ID,
     CountingSmoke,
@@ -19,20 +20,30 @@ from tests.fakes import (
     UnstartableSmoke,
     WordCodec,
 )
-from verl_bpo.branching import BranchingConfig
-from verl_bpo.estimator import compute_bpo_advantage
-from verl_bpo.sampler import SamplerConfig, TreeSampler
-from verl_bpo.tree import compute_credit
-from verl_bpo.tree_meta import build_leaf_rows
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.fork_policy import ForkPolicy, is_eligible
+from verl_bpo.core.leaf_meta import build_leaf_rows
+from verl_bpo.core.tree import compute_credit
+from verl_bpo.integration.estimator import compute_bpo_advantage
+from verl_bpo.rollout.sampler import TreeSampler
 
 TASK = {"task_id": 3}
 
 
-def grow(branching: BranchingConfig, sandbox_cls=CountingSmoke, seed=0, **config_kw):
-    config = SamplerConfig(branching=branching, max_turns=config_kw.pop("max_turns", 6), response_length=256,
-                           **config_kw)
+def tree(n_leaves=8, **kw):
+    """The ``bpo`` settings of a tree of ``n_leaves`` leaves (``mode=tree``), and N."""
+    return BPOConfig(mode="tree", **{"max_turns": 6, **kw}), n_leaves
+
+
+def flat(n_leaves, **kw):
+    return BPOConfig(mode="flat", **{"max_turns": 6, **kw}), n_leaves
+
+
+def grow(shape, sandbox_cls=CountingSmoke, seed=0, response_length=256, policy=None):
+    config, n_leaves = shape
     llm = ScriptedLLM(seed)
-    sampler = TreeSampler(config, lambda: sandbox_cls(), TASK, llm, WordCodec(), tree_id="uid-1", seed=seed)
+    sampler = TreeSampler(config, n_leaves, response_length, lambda: sandbox_cls(), TASK, llm, WordCodec(),
+                          tree_id="uid-1", seed=seed, policy=policy)
     return asyncio.run(sampler.run()), llm
 
 
@@ -46,7 +57,7 @@ def leaf_rows(result):
 
 @pytest.mark.parametrize("k,k0", [(2, 2), (3, 2), (2, 4)])
 def test_tree_has_exactly_n_leaves_sharing_prefixes(k, k0):
-    result, llm = grow(BranchingConfig(n_leaves=8, k=k, k0=k0))
+    result, llm = grow(tree(8, k=k, k0=k0))
     assert len(result.leaves) == 8
     rows = leaf_rows(result)  # the estimator's own validation: unique nodes, masses match the forks
     forest = rows.forest
@@ -66,7 +77,7 @@ def test_tree_has_exactly_n_leaves_sharing_prefixes(k, k0):
 
 
 def test_flat_mode_is_n_independent_rollouts():
-    result, _ = grow(BranchingConfig(n_leaves=5, k0=5))
+    result, _ = grow(flat(5))
     firsts = {leaf.meta.node_path[1] for leaf in result.leaves}
     assert len(result.leaves) == 5 and len(firsts) == 5
     assert all(np.isclose(leaf.meta.leaf_mass, 1 / 5) for leaf in result.leaves)
@@ -74,15 +85,15 @@ def test_flat_mode_is_n_independent_rollouts():
 
 
 def test_a_tree_shares_turns_so_it_costs_fewer_env_steps_than_flat():
-    tree, _ = grow(BranchingConfig(n_leaves=8, k=2, k0=2), max_turns=6)
-    flat, _ = grow(BranchingConfig(n_leaves=8, k0=8), max_turns=6)
-    assert tree.metrics["bpo/turns"] < flat.metrics["bpo/turns"]
-    assert tree.metrics["bpo/env_steps_per_leaf"] < flat.metrics["bpo/env_steps_per_leaf"]
-    assert tree.metrics["bpo/generated_tokens_per_leaf"] < flat.metrics["bpo/generated_tokens_per_leaf"]
+    grown, _ = grow(tree(8, k=2, k0=2))
+    flat_group, _ = grow(flat(8))
+    assert grown.metrics["bpo/env_steps"] < flat_group.metrics["bpo/env_steps"]
+    assert grown.metrics["bpo/generated_tokens"] < flat_group.metrics["bpo/generated_tokens"]
+    assert grown.metrics["bpo/trainer_rows"] == flat_group.metrics["bpo/trainer_rows"] == 8
 
 
 def test_estimator_gives_nonzero_advantages_on_a_sampled_tree():
-    result, _ = grow(BranchingConfig(n_leaves=8, k=2, k0=2), seed=3, max_turns=8)
+    result, _ = grow(tree(8, k=2, k0=2, max_turns=8), seed=3)
     length = max(len(leaf.transcript.response_mask) for leaf in result.leaves)
     mask = torch.zeros(len(result.leaves), length)
     rewards = torch.zeros_like(mask)
@@ -98,7 +109,7 @@ def test_estimator_gives_nonzero_advantages_on_a_sampled_tree():
 
 
 def test_crashed_branches_become_failed_leaves_and_the_tree_completes():
-    result, _ = grow(BranchingConfig(n_leaves=8, k=2, k0=2), sandbox_cls=CrashingSmoke, seed=1)
+    result, _ = grow(tree(8, k=2, k0=2), sandbox_cls=CrashingSmoke, seed=1)
     failed = [leaf for leaf in result.leaves if leaf.failed]
     assert len(result.leaves) == 8 and failed
     assert all(leaf.reward == 0 and leaf.meta.failed and "injected crash" in leaf.error for leaf in failed)
@@ -108,15 +119,14 @@ def test_crashed_branches_become_failed_leaves_and_the_tree_completes():
 
 
 def test_a_hanging_step_times_out_into_a_failed_leaf():
-    result, _ = grow(BranchingConfig(n_leaves=4, k=2, k0=2), sandbox_cls=HangingSmoke, step_timeout_s=0.3,
-                     max_turns=4)
+    result, _ = grow(tree(4, k=2, k0=2, step_timeout_s=0.3, max_turns=4), sandbox_cls=HangingSmoke)
     assert all(leaf.failed and "SandboxTimeout" in leaf.error for leaf in result.leaves)
     assert len(result.leaves) == 4
 
 
 def test_failed_restores_shrink_the_fork_but_keep_masses_right():
     UnrestorableSmoke.calls = 0
-    result, _ = grow(BranchingConfig(n_leaves=8, k=3, k0=3), sandbox_cls=UnrestorableSmoke)
+    result, _ = grow(tree(8, k=3, k0=3), sandbox_cls=UnrestorableSmoke)
     rows = leaf_rows(result)
     assert np.isclose(rows.forest.masses()[rows.forest.is_leaf].sum(), 1.0)
     assert len(result.leaves) < 8  # restores failed, so some leaves were never created
@@ -125,7 +135,7 @@ def test_failed_restores_shrink_the_fork_but_keep_masses_right():
 
 def test_a_failed_reset_is_retried_on_a_fresh_sandbox():
     UnstartableSmoke.failures, UnstartableSmoke.resets = 1, 0
-    result, _ = grow(BranchingConfig(n_leaves=4, k=2, k0=2), sandbox_cls=UnstartableSmoke)
+    result, _ = grow(tree(4, k=2, k0=2), sandbox_cls=UnstartableSmoke)
     assert len(result.leaves) == 4 and not any(leaf.failed for leaf in result.leaves)
     assert result.metrics["bpo/reset_failures"] == 0
     assert CountingSmoke.live == 0
@@ -134,7 +144,7 @@ def test_a_failed_reset_is_retried_on_a_fresh_sandbox():
 def test_a_tree_that_cannot_start_gives_n_failed_leaves_with_zero_advantage():
     """verl stops the step when a uid group has no trajectories, so a dead reset must still fill the group."""
     UnstartableSmoke.failures, UnstartableSmoke.resets = 10, 0
-    result, _ = grow(BranchingConfig(n_leaves=4, k=2, k0=2), sandbox_cls=UnstartableSmoke)
+    result, _ = grow(tree(4, k=2, k0=2), sandbox_cls=UnstartableSmoke)
     assert len(result.leaves) == 4 and all(leaf.failed and "injected reset failure" in leaf.error
                                            for leaf in result.leaves)
     assert UnstartableSmoke.resets == TreeSampler.RESET_ATTEMPTS
@@ -147,24 +157,25 @@ def test_a_tree_that_cannot_start_gives_n_failed_leaves_with_zero_advantage():
 
 
 def test_posthoc_score_is_flagged_and_still_runs():
-    result, _ = grow(BranchingConfig(n_leaves=6, k=2, k0=2, score="kept_turn_surprisal"))
+    result, _ = grow(tree(6, k=2, k0=2, score="kept_turn_surprisal"))
     assert len(result.leaves) == 6
 
 
 def test_next_token_entropy_needs_a_capable_client():
     with pytest.raises(ValueError, match="probe_surprisal"):
-        TreeSampler(SamplerConfig(branching=BranchingConfig(score="next_token_entropy")), CountingSmoke, TASK,
+        TreeSampler(BPOConfig(mode="tree", score="next_token_entropy"), 8, 256, CountingSmoke, TASK,
                     ScriptedLLM(), WordCodec(), tree_id="t")
 
 
 def test_probe_score_spends_extra_generations():
-    result, llm = grow(BranchingConfig(n_leaves=6, k=2, k0=2, score="probe_surprisal"), probe_tokens=2)
+    result, llm = grow(tree(6, k=2, k0=2, score="probe_surprisal", probe_tokens=2))
     assert len(result.leaves) == 6
-    assert len(llm.request_ids) > result.metrics["bpo/turns"]  # probes are discarded generations
+    assert len(llm.request_ids) > result.metrics["bpo/env_steps"]  # probes are discarded generations
+    assert result.metrics["bpo/generated_tokens"] > result.metrics["bpo/env_steps"] * 2  # and count as compute
 
 
 def test_credit_on_sampled_trees_is_finite():
-    result, _ = grow(BranchingConfig(n_leaves=8, k=2, k0=2), seed=5)
+    result, _ = grow(tree(8, k=2, k0=2), seed=5)
     credit = compute_credit(leaf_rows(result).forest)
     assert np.all(np.isfinite(credit.advantage))
 
@@ -183,8 +194,8 @@ def test_success_rate_counts_won_leaves():
             ids = [WORD_ID[w] for w in self.plan[min(turn, len(self.plan) - 1)].split()] + [WORD_ID["<eos>"]]
             return Generation(ids, [-0.1] * len(ids))
 
-    config = SamplerConfig(branching=BranchingConfig(n_leaves=4, k=2, k0=2), max_turns=8, response_length=512)
-    result = asyncio.run(TreeSampler(config, CountingSmoke, TASK, Solver(), WordCodec(), tree_id="s").run())
+    config = BPOConfig(mode="tree", k=2, k0=2, max_turns=8)
+    result = asyncio.run(TreeSampler(config, 4, 512, CountingSmoke, TASK, Solver(), WordCodec(), tree_id="s").run())
     assert result.metrics["bpo/success_rate"] == 1.0 and all(leaf.won for leaf in result.leaves)
     assert result.metrics["bpo/leaf_return"] == 1.0
 
@@ -199,7 +210,7 @@ def test_a_failed_leaf_keeps_shared_prefix_rewards_consistent():
 
     CrashingSmoke.rng.seed(3)
     for seed in range(4):
-        result, _ = grow(BranchingConfig(n_leaves=8, k=2, k0=2), sandbox_cls=ShapedCrashingSmoke, seed=seed)
+        result, _ = grow(tree(8, k=2, k0=2), sandbox_cls=ShapedCrashingSmoke, seed=seed)
         leaf_rows(result)  # raises on inconsistent shared rewards
         assert all(leaf.reward == sum(leaf.meta.turn_rewards) for leaf in result.leaves)
 
@@ -211,13 +222,139 @@ def test_concurrent_trees_on_a_thread_unsafe_engine_do_not_crash(tmp_path):
     from sandbox_adapters.textworld import TextWorldSandbox, make_games
 
     game = make_games(tmp_path, [0])[0]
-    config = SamplerConfig(branching=BranchingConfig(n_leaves=4, k=2, k0=2), max_turns=3, response_length=4096)
+    config = BPOConfig(mode="tree", k=2, k0=2, max_turns=3)
 
     async def trees():
-        samplers = [TreeSampler(config, lambda: TextWorldSandbox(TextWorldSandbox.Config(max_steps=3)),
+        samplers = [TreeSampler(config, 4, 4096, lambda: TextWorldSandbox(TextWorldSandbox.Config(max_steps=3)),
                                 {"game": str(game)}, ScriptedLLM(i), WordCodec(), tree_id=f"t{i}", seed=i)
                     for i in range(4)]
         return await asyncio.gather(*(s.run() for s in samplers))
 
     for result in asyncio.run(trees()):
         assert len(result.leaves) == 4 and not any(leaf.failed for leaf in result.leaves)
+
+
+class RecordingPolicy(ForkPolicy):
+    """The production fork policy, recording when each node's decision was taken (counted in LLM calls)."""
+
+    def __init__(self, config, llm):
+        super().__init__(config)
+        self.llm, self.decided_at, self.declared = llm, {}, {}
+
+    def start_tree(self, n_leaves):
+        plan = super().start_tree(n_leaves)
+        self.decided_at, self.declared = {}, {}  # per tree: node ids and histories repeat across trees
+        eligible, widths = plan.eligible, plan.widths
+        pending = []
+
+        def record_eligible(view):
+            self.decided_at.setdefault(view.history, len(self.llm.request_ids))
+            pending.append(view)
+            return eligible(view)
+
+        def record_widths(scores):
+            out = widths(scores)
+            eligible_views = [v for v in pending if is_eligible(v, self.config)]
+            self.declared.update({v.node_id: w for v, w in zip(eligible_views, out)})
+            pending.clear()
+            return out
+
+        plan.eligible, plan.widths = record_eligible, record_widths
+        return plan
+
+
+@pytest.mark.parametrize("score,anticipates", [("parent_turn_surprisal", False), ("kept_turn_surprisal", True)])
+def test_T8_no_child_is_drawn_before_its_nodes_fork_decision(score, anticipates):
+    """An instrumented run of the production sampler: every turn drawn from a node's history comes after that
+    node's fork decision; the posthoc ablation, which draws the kept turn first, is caught by the same check.
+    The root forks into K0 and every branch node has the width its plan declared."""
+    config = BPOConfig(mode="tree", k=2, k0=3, max_turns=6, score=score)
+    llm = ScriptedLLM(0)
+    llm.prompts = []
+    generate = llm.generate
+
+    async def recording_generate(request_id, *, prompt_ids, sampling_params):
+        llm.prompts.append((tuple(prompt_ids), len(llm.request_ids)))
+        return await generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+
+    llm.generate = recording_generate
+    policy = RecordingPolicy(config, llm)
+    late = []
+    for i in range(20):
+        llm.prompts.clear()
+        result = asyncio.run(TreeSampler(config, 9, 256, CountingSmoke, TASK, llm, WordCodec(), tree_id=f"t{i}",
+                                         seed=i, policy=policy).run())
+        late += [call for prompt, call in llm.prompts
+                 if prompt in policy.decided_at and call < policy.decided_at[prompt]]
+        rows = leaf_rows(result)
+        k = rows.forest.num_children
+        assert k[0] == 3  # the root is a branch node of K0 children
+        node_of = {}  # forest index -> sampler node id
+        for leaf, node in zip(result.leaves, rows.leaf_node):
+            index = node
+            for node_id in reversed(leaf.meta.node_path):
+                node_of[int(index)] = node_id
+                index = rows.forest.parent[index]
+        for index in np.flatnonzero(k >= 2)[1:]:
+            assert policy.declared[node_of[int(index)]] == k[index]
+    assert bool(late) is anticipates
+
+
+@pytest.mark.parametrize("mask_failed", [True, False])
+def test_a_crashed_turn_is_masked_out_of_the_loss_by_default(mask_failed):
+    """An infrastructure fault is not a negative sample for what the model said: the failing turn's tokens get
+    mask 0 (bpo.mask_failed_turns, default); the leaf keeps its earlier turns, its rewards and its mass."""
+    CrashingSmoke.rng.seed(1)
+    result, _ = grow(tree(8, k=2, k0=2, mask_failed_turns=mask_failed), sandbox_cls=CrashingSmoke, seed=1)
+    failed = [leaf for leaf in result.leaves if leaf.failed]
+    assert failed
+    for leaf in failed:
+        start, end = leaf.meta.turn_spans[-1]
+        assert any(leaf.transcript.response_mask[start:end]) is not mask_failed
+        if leaf.meta.num_turns > 1:
+            first_start, _ = leaf.meta.turn_spans[0]
+            assert leaf.transcript.response_mask[first_start] == 1  # earlier turns still train
+    rows = leaf_rows(result)
+    assert np.isclose(rows.forest.masses()[rows.forest.is_leaf].sum(), 1.0)
+
+
+def test_missing_rollout_log_probs_fail_loudly_and_close_every_sandbox():
+    class NoLogProbs(ScriptedLLM):
+        async def generate(self, request_id, *, prompt_ids, sampling_params):
+            out = await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+            return Generation(out.token_ids, [])
+
+    sampler = TreeSampler(tree(4)[0], 4, 256, CountingSmoke, TASK, NoLogProbs(), WordCodec(), tree_id="t")
+    with pytest.raises(ValueError, match="calculate_log_probs=True"):
+        asyncio.run(sampler.run())
+    assert CountingSmoke.live == 0
+
+
+def test_success_and_return_are_mass_weighted():
+    """A tree over-samples the subtrees below its forks; Σ w·won is the policy's expected success, and a flat
+    group's plain mean (every mass 1/N), so the two compare directly."""
+    from verl_bpo.core.leaf_meta import LeafMeta
+    from verl_bpo.rollout.metrics import tree_metrics
+    from verl_bpo.rollout.protocols import Transcript
+    from verl_bpo.rollout.tree_state import Leaf, TreeState
+
+    def leaf(path, mass, won):
+        meta = LeafMeta("t", 0, path, ((0, 1),) * (len(path) - 1), mass, (float(won),) * (len(path) - 1))
+        return Leaf(Transcript([], [0], 0, [1]), meta, float(won), won=won)
+
+    leaves = [leaf((0, 1), 0.5, True), leaf((0, 2, 3), 0.25, False), leaf((0, 2, 4), 0.25, False)]
+    plan = ForkPolicy(BPOConfig(mode="tree")).start_tree(3)
+    metrics = tree_metrics(TreeState("t"), leaves, plan, {})
+    assert metrics["bpo/success_rate"] == 0.5 and metrics["bpo/leaf_return"] == 0.5  # plain means would be 1/3
+
+
+def test_every_tree_draws_its_own_root_transitions():
+    """The root sandbox is re-seeded from the tree's seed after its reset, as forked children are: otherwise every
+    tree of a task would repeat the same random transitions on its first branch."""
+    outcomes = set()
+    for seed in range(8):
+        sampler = TreeSampler(flat(1)[0], 1, 256, lambda: SmokeSandbox(SmokeSandbox.Config(slip_prob=0.5)), TASK,
+                              ScriptedLLM(0, {"east": 1.0}), WordCodec(), tree_id="t", seed=seed)
+        leaf = asyncio.run(sampler.run()).leaves[0]
+        outcomes.add(tuple(m["content"] for m in leaf.transcript.messages[3::2]))
+    assert len(outcomes) > 1

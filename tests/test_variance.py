@@ -1,71 +1,72 @@
 """T6: gradient variance of BPO vs RLOO at matched generated turns, stated honestly in both directions.
 
-- Late-variance regime (most return variance from the last decision): BPO's cost-matched variance is lower.
-- Early-variance regime (the first decision decides): BPO is *worse* — the root sees only K0 samples. The test
-  pins that down so no document can claim an unconditional win.
-- Conditional inequality: for decisions at depth >= 1, centring returns on the decision state's value (what a
+Trees grow through the production sampler on the tabular oracle (verl_bpo.oracle); each tree's gradient comes
+from the production credit. Fixed fork rule (K0 = 2, K = 8, the quantile selector on the next-token entropy):
+
+- late-variance regime (most return variance from the last decision): BPO's turns-matched variance is lower;
+- early-variance regime (the first decision decides): BPO is *worse* — the root sees only K0 samples. The test
+  pins that down so no document can claim an unconditional win for the fixed rule;
+- conditional inequality: for decisions at depth >= 1, centring returns on the decision state's value (what a
   sibling group estimates) removes E[(V(h_v) − V(s0))²] compared with centring on the start state.
-`benchmarks/variance.py` reports the same quantities with more trees.
+``benchmarks/variance.py`` reports the same quantities with more trees.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from verl_bpo.branching import BranchingConfig, make_selector
-from verl_bpo.reference import (
-    early_variance_mdp,
-    estimate_gradients,
-    forest_of,
-    grow_tree,
-    late_variance_mdp,
-    random_mdp,
-    state_values,
-)
-from verl_bpo.tree import CreditOptions, compute_credit
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.leaf_meta import build_leaf_rows
+from verl_bpo.core.tree import compute_credit
+from verl_bpo.oracle.estimates import mean_turns, sample_trees, tree_gradients
+from verl_bpo.oracle.mdp import problem, state_values
+from verl_bpo.oracle.policy import TabularCodec
 
-BPO = BranchingConfig(n_leaves=16, k0=2, k=8, selector="quantile")
-FLAT = BranchingConfig(n_leaves=16, k0=16)
+N = 16
+BPO = BPOConfig(mode="tree", k=8, k0=2, selector="quantile", score="next_token_entropy", max_turns=8)
+FLAT = BPOConfig(mode="flat", max_turns=8)
 
 
-def cost_matched_variance(mdp, theta, branching, n_trees=2500, seed=0):
-    rng = np.random.default_rng(seed)
-    selector = make_selector(branching)
-    trees = [grow_tree(mdp, theta, branching, selector, rng, score="entropy", score_noise=0.01)
-             for _ in range(n_trees)]
-    g = estimate_gradients(mdp, theta, trees, CreditOptions()).reshape(n_trees, -1)
-    return g.var(axis=0, ddof=1).sum() * np.mean([t.turns for t in trees])
+def turns_matched_variance(name: str, config: BPOConfig, n_trees: int = 2500, seed: int = 0) -> float:
+    mdp, theta = problem(name)
+    trees = [r.leaves for r in sample_trees(name, {}, config, N, n_trees, seed=seed)]
+    g = tree_gradients(theta, trees, TabularCodec(mdp), config, mdp.gamma).reshape(n_trees, -1)
+    return g.var(axis=0, ddof=1).sum() * mean_turns(trees)
 
 
 def test_T6_late_variance_regime_bpo_beats_rloo():
-    mdp, theta = late_variance_mdp()
-    bpo, rloo = cost_matched_variance(mdp, theta, BPO), cost_matched_variance(mdp, theta, FLAT)
+    bpo, rloo = turns_matched_variance("late", BPO), turns_matched_variance("late", FLAT)
     assert bpo < 0.75 * rloo, (bpo, rloo)
 
 
-def test_T6_early_variance_regime_bpo_is_not_better():
-    mdp, theta = early_variance_mdp()
-    bpo, rloo = cost_matched_variance(mdp, theta, BPO), cost_matched_variance(mdp, theta, FLAT)
+def test_T6_early_variance_regime_the_fixed_rule_is_not_better():
+    bpo, rloo = turns_matched_variance("early", BPO), turns_matched_variance("early", FLAT)
     assert bpo >= rloo, (bpo, rloo)
 
 
 def test_T6_conditional_inequality_for_decisions_at_depth_one_and_below():
     """E[(Q̂ − V(s0))²] = E[(Q̂ − V(h_u))²] + E[(V(h_u) − V(s0))²]: centring a turn's return on its own decision
-    state (what a sibling group estimates) never leaves more than centring on the start state (what a root-level
-    baseline estimates), and strictly less where values differ across the states reached."""
+    state never leaves more than centring on the start state, and strictly less where values differ."""
+    config = BPOConfig(mode="tree", k=2, k0=2, max_turns=4)
     for seed in range(3):
-        mdp, theta = random_mdp(seed=seed, horizon=4)
+        args = {"seed": seed, "horizon": 4}
+        mdp, theta = problem("random", **args)
+        codec = TabularCodec(mdp)
         value = state_values(mdp, theta)
-        branching = BranchingConfig(n_leaves=8, k0=2, k=2)
-        rng = np.random.default_rng(seed)
-        selector = make_selector(branching)
-        trees = [grow_tree(mdp, theta, branching, selector, rng) for _ in range(2000)]
-        credit = compute_credit(forest_of(trees))
-        t = np.concatenate([tree.state_t for tree in trees])
-        x = np.concatenate([tree.state_x for tree in trees])
-        deep = t >= 1  # turns taken at decisions of depth >= 1 (roots have t = 0 and never count)
-        own_state = np.mean((credit.q[deep] - value[t[deep], x[deep]]) ** 2)
-        start_state = np.mean((credit.q[deep] - value[0, 0]) ** 2)
-        gap = np.mean((value[t[deep], x[deep]] - value[0, 0]) ** 2)
+        leaves = [leaf for r in sample_trees("random", args, config, 8, 2000, seed=seed) for leaf in r.leaves]
+        rows = build_leaf_rows([leaf.meta for leaf in leaves], None, np.array([leaf.reward for leaf in leaves]),
+                               np.array([len(leaf.transcript.response_mask) for leaf in leaves]),
+                               np.ones(len(leaves), dtype=bool))
+        credit = compute_credit(rows.forest)
+        state_of = {}  # forest node -> (t, x) of the state its turn was taken in
+        for row, start, node in zip(rows.turn_row, rows.turn_start, rows.turn_node):
+            transcript = leaves[row].transcript
+            state_of[int(node)] = codec.token_state(transcript.token_ids[transcript.prompt_length + start - 1])
+        nodes = np.array([n for n, (t, _) in state_of.items() if t >= 1])  # decisions of depth >= 1
+        t = np.array([state_of[n][0] for n in nodes])
+        x = np.array([state_of[n][1] for n in nodes])
+        own_state = np.mean((credit.q[nodes] - value[t, x]) ** 2)
+        start_state = np.mean((credit.q[nodes] - value[0, 0]) ** 2)
+        gap = np.mean((value[t, x] - value[0, 0]) ** 2)
         assert own_state < start_state
         np.testing.assert_allclose(start_state - own_state, gap, rtol=0.25)  # the removed term, within MC error

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from verl_bpo.tree_meta import LeafMeta
+from verl_bpo.core.leaf_meta import LeafMeta
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 # ALFWorld settings shared by its BPO / GRPO / RLOO recipes; the run scripts source this file.
-# Data: python -m verl_bpo.prepare_data alfworld --out "$DATA_DIR" (games from $ALFWORLD_DATA; recipes/README.md).
+# Data: python -m verl_bpo.data.prepare alfworld --out "$DATA_DIR" (games from $ALFWORLD_DATA; recipes/README.md).
 BENCHMARK=alfworld
 # 16 games per step x rollout.n=8 leaves = 128 trajectories per step.
 TRAIN_BATCH_SIZE=16

@@ -1,5 +1,5 @@
 # SWE-bench settings shared by its BPO / GRPO / RLOO recipes; the run scripts source this file.
-# Data: python -m verl_bpo.prepare_data swebench --out "$DATA_DIR" --train-instances ... --val-instances
+# Data: python -m verl_bpo.data.prepare swebench --out "$DATA_DIR" --train-instances ... --val-instances
 # SWE-bench-Verified.jsonl (local checkouts per instance; recipes/README.md). Needs bubblewrap on the node.
 BENCHMARK=swebench
 # 8 issues per step x rollout.n=8 leaves = 64 repository sandboxes (and 64 test-suite gradings) per step.

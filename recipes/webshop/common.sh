@@ -1,5 +1,5 @@
 # WebShop settings shared by its BPO / GRPO / RLOO recipes; the run scripts source this file.
-# Data: python -m verl_bpo.prepare_data webshop --out "$DATA_DIR" (rows carry the engine paths; recipes/README.md).
+# Data: python -m verl_bpo.data.prepare webshop --out "$DATA_DIR" (rows carry the engine paths; recipes/README.md).
 BENCHMARK=webshop
 # 16 instructions per step x rollout.n=8 leaves = 128 trajectories per step.
 TRAIN_BATCH_SIZE=16

@@ -12,8 +12,8 @@ import pytest
 from tests.e2e.test_cpu_trainer import _cpu_vllm_missing
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.platforms import cpu_launch
-from verl_bpo.tiny_model import build_tiny_model
-from verl_bpo.warm_start import warm_start
+from verl_bpo.demo.tiny_model import build_tiny_model
+from verl_bpo.demo.warm_start import warm_start
 
 pytestmark = [
     pytest.mark.slow,

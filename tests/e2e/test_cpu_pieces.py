@@ -12,7 +12,7 @@ import torch
 
 from verl_bpo.platforms import cpu_launch
 from verl_bpo.platforms.vllm_cpu import _keep_live_weight
-from verl_bpo.tiny_model import build_tiny_model
+from verl_bpo.demo.tiny_model import build_tiny_model
 
 _PROBE = """
 import os, torch, torch.distributed as dist, verl

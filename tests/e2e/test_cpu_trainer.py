@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 import pytest
 
 from verl_bpo.platforms import cpu_launch
-from verl_bpo.tiny_model import build_tiny_model
+from verl_bpo.demo.tiny_model import build_tiny_model
 
 
 def _cpu_vllm_missing() -> str | None:

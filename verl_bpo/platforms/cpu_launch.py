@@ -10,7 +10,7 @@ What a CPU run needs (every item was a measured blocker; see the table in resear
   (verl/workers/engine/fsdp/transformer_impl.py:1143; override read at verl/workers/engine/base.py:405) and
   runs fine on CPU tensors; offline switches for the HF hub and wandb.
 * Hydra overrides (:func:`cpu_overrides`), see the comments there.
-* A model with head_dim >= 32 (:mod:`verl_bpo.tiny_model`) and, for non-zero gradients, a reward with variance
+* A model with head_dim >= 32 (:mod:`verl_bpo.demo.tiny_model`) and, for non-zero gradients, a reward with variance
   within each group.
 
 Ray + vLLM-CPU can hang instead of failing (a TransferQueue storage unit that cannot be scheduled, a failing vLLM
@@ -22,7 +22,7 @@ shared box; pass ``stop_all_ray=True`` on a CI machine the job owns.
 Example, the stock GRPO trainer for 2 steps (measured on 2 cores: 2.5-3.5 min, ~6 GB RAM above idle)::
 
     from verl_bpo.platforms import cpu_launch as L
-    from verl_bpo.tiny_model import build_tiny_model
+    from verl_bpo.demo.tiny_model import build_tiny_model
     model = build_tiny_model("/tmp/tiny")
     data = L.write_verl_dataset("/tmp/data/train.parquet", L.arithmetic_examples(8))
     reward = L.write_length_reward("/tmp/data/reward.py")

@@ -1,8 +1,13 @@
-"""Per-row tree metadata (one row per leaf) and its conversion into a :class:`~verl_bpo.tree.Forest`.
+"""Per-row tree metadata (one row per leaf) and its conversion into a :class:`~verl_bpo.core.tree.Forest`.
 
-The tree sampler attaches one :class:`LeafMeta` to every leaf it returns (``AgentLoopOutput.extra_fields["bpo"]``);
-the trainer hands the list to the ``bpo`` estimator. Everything here is validated with errors that name the field,
-the row, and the fix, because a silent mismatch would train on wrong credit. No verl import.
+The tree sampler attaches one :class:`LeafMeta` to every leaf it returns (verl's ``AgentLoopOutput.extra_fields``
+under :data:`META_KEY`); the trainer hands the list to the ``bpo`` estimator. Everything here is validated with
+errors that name the field, the row and the fix, because a silent mismatch would train on wrong credit.
+
+Rewards. A turn's reward is ``turn_rewards[t]``, its sandbox step's reward. Whatever the trainer adds to a row on
+top of those (verl's ``algorithm.use_kl_in_reward`` penalty, a reward function's shaping) is the row total minus
+Σ ``turn_rewards``; it is credited to the row's last turn, which leads into the row's own leaf node and so is never
+shared with another row. GRPO sees the same total, so BPO and the baselines optimise the same return.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from verl_bpo.tree import Forest
+from verl_bpo.core.tree import Forest
 
 __all__ = ["META_KEY", "LeafMeta", "LeafRows", "build_leaf_rows", "is_padding_uid"]
 
@@ -33,15 +38,18 @@ class LeafMeta:
 
     Attributes:
         tree_id: the tree (one per task prompt; the sampler uses verl's ``uid``).
-        leaf_id: index of the leaf within its tree, ``0 .. N-1``.
+        leaf_id: index of the leaf within its tree, ``0 .. leaves-1``.
         node_path: node ids from the root to the leaf's terminal node; turn ``t`` goes from ``node_path[t]`` to
             ``node_path[t + 1]``. Node ids are unique within a tree and shared by every leaf through that node.
         turn_spans: ``[start, end)`` token positions of each turn's generated tokens in the row's response;
             one per turn, increasing and non-overlapping.
         leaf_mass: ``w = Π 1/K`` over the forks on the path, as the sampler computed it (checked against the tree).
-        turn_rewards: reward of each turn's environment step; when absent the row's total reward is the last
-            turn's reward (a terminal success reward).
-        failed: the branch crashed or timed out; its reward is 0 and it is kept so masses stay correct.
+        turn_rewards: reward of each turn's sandbox step; absent = all 0 (then the row's whole reward, e.g. a
+            terminal success score, is credited to its last turn).
+        failed: the branch's last turn crashed or timed out in the sandbox. That turn earned 0 and, under
+            ``bpo.mask_failed_turns`` (default), its tokens carry ``response_mask = 0``: it is never a negative
+            sample for what the model said. The leaf stays in the tree with the rewards its earlier turns earned,
+            so every mass stays right.
     """
 
     tree_id: str
@@ -94,6 +102,7 @@ class LeafRows:
         forest: the trees of the batch.
         rows: ``(n_rows,)`` indices of the batch rows that are leaves (padding rows are left out).
         leaf_node: ``(n_rows,)`` forest node at the end of each of those rows.
+        tree_of_row: ``(n_rows,)`` index of each of those rows' tree among the batch's trees.
         turn_row, turn_node, turn_start, turn_end: one entry per (row, turn): batch row, the forest node the turn
             leads into, and its token span.
     """
@@ -101,10 +110,36 @@ class LeafRows:
     forest: Forest
     rows: np.ndarray
     leaf_node: np.ndarray
+    tree_of_row: np.ndarray
     turn_row: np.ndarray
     turn_node: np.ndarray
     turn_start: np.ndarray
     turn_end: np.ndarray
+
+    @property
+    def num_trees(self) -> int:
+        return int(self.tree_of_row.max(initial=-1)) + 1
+
+
+def _leaf_rows_to_keep(metas: Sequence[LeafMeta | None], active: np.ndarray) -> dict[tuple[str, int], int]:
+    """For each leaf key, the batch row that carries it; independent of row order.
+
+    A key on two active rows is an error. verl's padding copies a row with a zero mask and its metadata, so an
+    inactive row whose key also sits on an active row is that copy. When every row of a key is inactive (a dead
+    tree's empty leaves and their copies) the rows are identical and the first one stands for the key.
+    """
+    keep: dict[tuple[str, int], int] = {}
+    for i, meta in enumerate(metas):
+        if meta is None:
+            continue
+        key = (meta.tree_id, meta.leaf_id)
+        j = keep.get(key)
+        if j is None or (active[i] and not active[j]):
+            keep[key] = i
+        elif active[i] and active[j]:
+            raise ValueError(f"rows {j} and {i}: leaf {meta.leaf_id} of tree {meta.tree_id!r} appears twice in "
+                             "the batch")
+    return keep
 
 
 def build_leaf_rows(
@@ -119,43 +154,46 @@ def build_leaf_rows(
     Args:
         metas: per batch row, the leaf metadata (dict or LeafMeta); ``None`` only for padding rows.
         uids: per batch row, verl's prompt uid (``index``); rows of one tree must share it. ``None`` skips the check.
-        row_totals: ``(bs,)`` total reward of each row (sum of ``token_level_rewards``).
+        row_totals: ``(bs,)`` total reward of each row (sum of ``token_level_rewards``); what exceeds the row's
+            ``turn_rewards`` is credited to its last turn (module docstring).
         response_lengths: ``(bs,)`` length of the response tensor each span must fit in.
         active: ``(bs,)`` bool, False for rows with an all-zero response mask (padding copies carry copied metadata).
     """
-    parent: list[int] = []
-    reward: list[float] = []
-    node_index: dict[tuple[str, int], int] = {}
-    seen_leaves: set[tuple[str, int]] = set()
-    tree_uid: dict[str, object] = {}
-    uid_tree: dict[object, str] = {}
-    rows, leaf_node, declared_mass = [], [], []
-    turn_row, turn_node, turn_start, turn_end = [], [], [], []
-
+    parsed: list[LeafMeta | None] = []
     for i, raw in enumerate(metas):
         uid = None if uids is None else uids[i]
         if is_padding_uid(uid):
+            parsed.append(None)
             continue
         if raw is None:
             raise ValueError(
                 f"row {i} (uid {uid!r}) has no tree metadata; every row must come from the BPO tree agent loop "
-                "(launch with `python -m verl_bpo.main algorithm.adv_estimator=bpo`)"
+                "(algorithm.adv_estimator=bpo runs it)"
             )
-        meta = raw if isinstance(raw, LeafMeta) else LeafMeta.from_dict(raw, row=i)
-        key = (meta.tree_id, meta.leaf_id)
-        if key in seen_leaves:
-            if not active[i]:
-                continue  # a padding copy that kept a real uid: zero mask, copied metadata
-            raise ValueError(f"row {i}: leaf {meta.leaf_id} of tree {meta.tree_id!r} appears twice in the batch")
-        seen_leaves.add(key)
+        parsed.append(raw if isinstance(raw, LeafMeta) else LeafMeta.from_dict(raw, row=i))
+    keep = set(_leaf_rows_to_keep(parsed, active).values())
+
+    parent: list[int] = []
+    reward: list[float] = []
+    node_index: dict[tuple[str, int], int] = {}
+    tree_uid: dict[str, object] = {}
+    uid_tree: dict[object, str] = {}
+    tree_index: dict[str, int] = {}
+    rows, leaf_node, declared_mass, tree_of_row = [], [], [], []
+    turn_row, turn_node, turn_start, turn_end = [], [], [], []
+
+    for i, meta in enumerate(parsed):
+        if meta is None or i not in keep:
+            continue
+        uid = None if uids is None else uids[i]
         if uid is not None and tree_uid.setdefault(meta.tree_id, uid) != uid:
             raise ValueError(
-                f"row {i}: tree_id {meta.tree_id!r} has uid {uid!r} but earlier rows of that tree have uid "
+                f"row {i}: tree_id {meta.tree_id!r} has uid {uid!r} but other rows of that tree have uid "
                 f"{tree_uid[meta.tree_id]!r}; one tree must be one uid group"
             )
         if uid is not None and uid_tree.setdefault(uid, meta.tree_id) != meta.tree_id:
             raise ValueError(
-                f"row {i}: uid {uid!r} carries tree {meta.tree_id!r} and tree {uid_tree[uid]!r}; the N sessions of "
+                f"row {i}: uid {uid!r} carries tree {meta.tree_id!r} and tree {uid_tree[uid]!r}; the sessions of "
                 "one uid must return the leaves of one tree"
             )
         prev_end = 0
@@ -166,9 +204,8 @@ def build_leaf_rows(
                     f"overlaps the previous turn (ends at {prev_end}); spans are [start, end) token offsets"
                 )
             prev_end = e
-        rewards = meta.turn_rewards
-        if rewards is None:
-            rewards = (0.0,) * (meta.num_turns - 1) + (float(row_totals[i]),)
+        rewards = list(meta.turn_rewards or (0.0,) * meta.num_turns)
+        rewards[-1] += float(row_totals[i]) - sum(meta.turn_rewards or ())  # what the trainer added to the row
         path_nodes = []
         for t, node_id in enumerate(meta.node_path):
             node_key = (meta.tree_id, node_id)
@@ -192,6 +229,7 @@ def build_leaf_rows(
         rows.append(i)
         leaf_node.append(path_nodes[-1])
         declared_mass.append(meta.leaf_mass)
+        tree_of_row.append(tree_index.setdefault(meta.tree_id, len(tree_index)))
         turn_row.extend([i] * meta.num_turns)
         turn_node.extend(path_nodes[1:])
         turn_start.extend(s for s, _ in meta.turn_spans)
@@ -205,15 +243,9 @@ def build_leaf_rows(
     if len(set(leaf_node)) != len(leaf_node):
         raise ValueError("two rows end at the same node; every leaf needs its own terminal node id")
     _check_masses(forest, leaf_node_arr, np.array(declared_mass), rows)
-    return LeafRows(
-        forest,
-        np.array(rows, dtype=np.int64),
-        leaf_node_arr,
-        np.array(turn_row, dtype=np.int64),
-        np.array(turn_node, dtype=np.int64),
-        np.array(turn_start, dtype=np.int64),
-        np.array(turn_end, dtype=np.int64),
-    )
+    as_int = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    return LeafRows(forest, as_int(rows), leaf_node_arr, as_int(tree_of_row), as_int(turn_row), as_int(turn_node),
+                    as_int(turn_start), as_int(turn_end))
 
 
 def _check_masses(forest: Forest, leaf_node: np.ndarray, declared: np.ndarray, rows: list[int]) -> None:
@@ -224,5 +256,5 @@ def _check_masses(forest: Forest, leaf_node: np.ndarray, declared: np.ndarray, r
         j = int(bad[0])
         raise ValueError(
             f"row {rows[j]}: leaf_mass={declared[j]} but the forks in this batch give {got[j]}; a leaf of that tree "
-            "is missing from the batch (all N leaves of a tree must be trained together)"
+            "is missing from the batch (all leaves of a tree must be trained together)"
         )

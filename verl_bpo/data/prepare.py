@@ -1,4 +1,4 @@
-"""Write the train/val parquet files of a benchmark recipe: ``python -m verl_bpo.prepare_data BENCHMARK --out DIR``.
+"""Train/val parquet files of a benchmark recipe: ``python -m verl_bpo.data.prepare BENCHMARK --out DIR``.
 
 One row per task in verl's dataset format (``verl_bpo.data``): ``agent_name: bpo_tree``, the sandbox spec and the
 task in ``extra_info``, and the prompt as the sandbox renders it (system prompt + first observation), so verl's
@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from verl_bpo.data import sandbox_rows, write_sandbox_dataset
+from verl_bpo.data.rows import sandbox_rows, write_sandbox_dataset
 
 __all__ = ["BENCHMARKS", "Plan", "build_plan", "prepare", "main"]
 
@@ -248,7 +248,7 @@ def _key_value(text: str) -> tuple[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="python -m verl_bpo.prepare_data",
+    top = argparse.ArgumentParser(prog="python -m verl_bpo.data.prepare",
                                   description=__doc__.split("\n")[0].rstrip(":"))
     sub = top.add_subparsers(dest="benchmark", required=True)
     for name, (add_args, _, defaults) in BENCHMARKS.items():

@@ -10,8 +10,8 @@ without that variable nothing platform-related is imported.
 
 import os
 
-from verl_bpo import estimator  # noqa: F401  (registers "bpo" in verl's ADV_ESTIMATOR_REGISTRY)
-from verl_bpo.stock_launch import check_stock_launch
+from verl_bpo.integration import estimator  # noqa: F401  (registers "bpo" in verl's ADV_ESTIMATOR_REGISTRY)
+from verl_bpo.integration.stock_launch import check_stock_launch
 
 check_stock_launch()  # exits with the fix if verl's stock main_ppo was asked for adv_estimator=bpo
 

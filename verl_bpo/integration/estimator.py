@@ -1,14 +1,15 @@
 """The ``bpo`` advantage estimator, registered in verl's estimator registry.
 
-Branching Policy Optimization: each task grows one tree of N leaves; every turn is credited with the leave-one-out
-advantage among its siblings, and each leaf row is weighted by its mass ``w = Π 1/K`` (research/anchors.md §3.5).
-In the **leaf** row layout (one row per leaf, shared prefixes duplicated) the token advantage is
+Branching Policy Optimization: each task grows one tree; every turn is credited with the leave-one-out advantage
+among its siblings (Kool et al. 2019, RLOO, applied at every fork), and each leaf row is weighted by its mass
+``w = Π 1/K``. In the **leaf** row layout (one row per leaf, shared prefixes duplicated) the token advantage is
 
-    Ã = N · w_leaf · A_segment(token)
+    Ã = s · w_leaf · A_segment(token),      s = rows per tree of the batch (verl_bpo.integration.batch_layout)
 
-so that verl's ``seq-mean-token-sum`` aggregation (mean over rows, sum over tokens) gives, per tree,
-Σ_e W_e Σ_{turns ∈ e} ∇log π · A_e — the unbiased BPO gradient. With one fork of N children at the root it is
-exactly RLOO (``compute_rloo_outcome_advantage``), and with ``baseline="mean_incl_self", scale="group_std"`` GRPO.
+so that verl's ``seq-mean-token-sum`` aggregation, which divides by a fixed row count, gives
+(1/B) Σ_trees Σ_e W_e Σ_{turns ∈ e} ∇log π · A_e — the unbiased tree policy gradient, for trees of any leaf count.
+With one fork of N children at the root it is exactly RLOO (``compute_rloo_outcome_advantage``), and with
+``baseline=mean_incl_self, scale=group_std`` GRPO (Shao et al. 2024, arXiv:2402.03300).
 """
 
 from __future__ import annotations
@@ -22,17 +23,19 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import register_adv_est
 
-from verl_bpo.tree import CreditOptions, compute_credit, paint_spans
-from verl_bpo.tree_meta import LeafMeta, build_leaf_rows
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.leaf_meta import LeafMeta, build_leaf_rows
+from verl_bpo.core.tree import compute_credit, paint_spans
+from verl_bpo.integration.batch_layout import rows_per_tree as _rows_per_tree
 
-__all__ = ["ESTIMATOR_NAME", "compute_bpo_advantage", "credit_options", "tree_call_context"]
+__all__ = ["ESTIMATOR_NAME", "compute_bpo_advantage", "tree_call_context"]
 
 ESTIMATOR_NAME = "bpo"
 
 _MISSING_META = (
     "the `bpo` advantage estimator needs the tree metadata of every row (keyword `tree_meta`), which only the BPO "
     "trainer passes. Launch BPO with `python -m verl_bpo.main algorithm.adv_estimator=bpo ...` (it wires the tree "
-    "agent loop and the trainer that forwards the metadata) instead of `python -m verl.trainer.main_ppo`."
+    "agent loop and the trainer that forwards the metadata)."
 )
 
 
@@ -42,37 +45,16 @@ _TREE_CALL: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextV
 
 
 @contextlib.contextmanager
-def tree_call_context(tree_meta: Sequence[Any], bpo_config: Any = None) -> Iterator[dict[str, Any]]:
-    """Within the block, ``compute_bpo_advantage`` called without ``tree_meta`` uses these rows; the yielded dict
-    receives the estimator's statistics under ``"stats"``."""
-    call = {"tree_meta": tree_meta, "bpo_config": bpo_config, "stats": {}}
+def tree_call_context(tree_meta: Sequence[Any], bpo_config: BPOConfig | Mapping[str, Any] | None = None,
+                      rows_per_tree: float | None = None) -> Iterator[dict[str, Any]]:
+    """Within the block, ``compute_bpo_advantage`` called without ``tree_meta`` uses these rows, settings and
+    advantage scale; the yielded dict receives the estimator's statistics under ``"stats"``."""
+    call = {"tree_meta": tree_meta, "bpo_config": bpo_config, "rows_per_tree": rows_per_tree, "stats": {}}
     token = _TREE_CALL.set(call)
     try:
         yield call
     finally:
         _TREE_CALL.reset(token)
-
-
-def credit_options(config: Any = None, bpo_config: Any = None) -> CreditOptions:
-    """Build :class:`CreditOptions` from verl's ``algorithm`` config (``gamma``) and the ``bpo`` config block."""
-
-    def get(cfg: Any, key: str, default: Any) -> Any:
-        if cfg is None:
-            return default
-        if isinstance(cfg, Mapping) or hasattr(cfg, "get"):
-            value = cfg.get(key, default)
-        else:
-            value = getattr(cfg, key, default)
-        return default if value is None else value
-
-    defaults = CreditOptions()
-    return CreditOptions(
-        gamma=float(get(config, "gamma", defaults.gamma)),
-        baseline=get(bpo_config, "baseline", defaults.baseline),
-        scale=get(bpo_config, "scale", defaults.scale),
-        discount_weighting=get(bpo_config, "discount_weighting", defaults.discount_weighting),
-        epsilon=float(get(bpo_config, "epsilon", defaults.epsilon)),
-    )
 
 
 @register_adv_est(ESTIMATOR_NAME)
@@ -82,43 +64,53 @@ def compute_bpo_advantage(
     index: np.ndarray | None = None,
     config: Any = None,
     tree_meta: Sequence[Mapping[str, Any] | LeafMeta | None] | None = None,
-    bpo_config: Any = None,
+    bpo_config: BPOConfig | Mapping[str, Any] | None = None,
+    rows_per_tree: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compute BPO token advantages for a batch of leaf rows.
 
     Args:
-        token_level_rewards: ``(bs, response_length)``; a row's sum is its leaf return (used as the last turn's
-            reward when the metadata has no ``turn_rewards``).
+        token_level_rewards: ``(bs, response_length)``; a row's sum is its return. What it holds beyond the row's
+            ``turn_rewards`` (verl's KL-in-reward penalty, reward shaping) is credited to the row's last turn.
         response_mask: ``(bs, response_length)``; 1 on generated tokens, 0 on environment tokens and padding.
         index: ``(bs,)`` verl's prompt uid per row; all rows of one tree share it. Rows whose uid starts with
             ``pad`` (verl's batch padding) get zero advantage.
         config: verl's ``algorithm`` config; ``gamma`` is read from it.
-        tree_meta: ``(bs,)`` per-row :class:`~verl_bpo.tree_meta.LeafMeta` (or its dict form); required.
-        bpo_config: the ``bpo`` config block (``baseline``, ``scale``, ``discount_weighting``, ``epsilon``).
+        tree_meta: ``(bs,)`` per-row :class:`~verl_bpo.core.leaf_meta.LeafMeta` (or its dict form); required.
+        bpo_config: the ``bpo`` settings (``baseline``, ``scale``, ``discount_weighting``, ``epsilon``).
+        rows_per_tree: the advantage scale s, rows the loss divides by per tree (the BPO trainer passes it);
+            default: this batch's rows over its trees, right for a loss over the whole batch with
+            ``global_batch_size = bs`` (see :mod:`verl_bpo.integration.batch_layout`).
 
     Returns:
-        advantages: ``(bs, response_length)`` ``N · w_leaf · A_segment`` on generated tokens, 0 elsewhere.
+        advantages: ``(bs, response_length)`` ``s · w_leaf · A_segment`` on generated tokens, 0 elsewhere.
         returns: ``(bs, response_length)`` the Q̂ estimate of each token's turn (return-to-go along the tree).
     """
     call = _TREE_CALL.get()
     if tree_meta is None and call is not None:
-        tree_meta, bpo_config = call["tree_meta"], bpo_config if bpo_config is not None else call["bpo_config"]
+        tree_meta = call["tree_meta"]
+        bpo_config = bpo_config if bpo_config is not None else call["bpo_config"]
+        rows_per_tree = rows_per_tree if rows_per_tree is not None else call["rows_per_tree"]
     if tree_meta is None:
         raise ValueError(_MISSING_META)
     bs, length = response_mask.shape
     if len(tree_meta) != bs:
         raise ValueError(f"tree_meta has {len(tree_meta)} entries for a batch of {bs} rows; need one per row")
-    options = credit_options(config, bpo_config)
+    if not isinstance(bpo_config, BPOConfig):
+        bpo_config = BPOConfig.from_mapping(bpo_config)
+    gamma = float(_get(config, "gamma", 1.0))
     with torch.no_grad():
         active = (response_mask.sum(dim=-1) > 0).cpu().numpy()
         totals = token_level_rewards.sum(dim=-1).double().cpu().numpy()
         leaf_rows = build_leaf_rows(tree_meta, index, totals, np.full(bs, length), active)
-        credit = compute_credit(leaf_rows.forest, options)
+        credit = compute_credit(leaf_rows.forest, bpo_config, gamma)
+        if rows_per_tree is None:
+            rows_per_tree = _rows_per_tree(bs, leaf_rows.num_trees) if leaf_rows.num_trees else 0.0
 
-        # Leaf layout: the turn of row r leading into node n gets N · w_leaf(r) · A(n).
+        # Leaf layout: the turn of row r leading into node n gets s · w_leaf(r) · A(n).
         row_scale = np.zeros(bs)
-        row_scale[leaf_rows.rows] = (credit.leaves_per_tree * credit.mass)[leaf_rows.leaf_node]
+        row_scale[leaf_rows.rows] = rows_per_tree * credit.mass[leaf_rows.leaf_node]
         node = leaf_rows.turn_node
         adv_values = row_scale[leaf_rows.turn_row] * credit.advantage[node]
         spans = (leaf_rows.turn_row, leaf_rows.turn_start, leaf_rows.turn_end)
@@ -130,6 +122,14 @@ def compute_bpo_advantage(
         advantages = torch.from_numpy(advantages).to(mask.device) * mask
         returns = torch.from_numpy(returns).to(mask.device) * mask
     return advantages, returns
+
+
+def _get(cfg: Any, key: str, default: Any) -> Any:
+    """``cfg[key]`` of a DictConfig, mapping or object; ``default`` when absent or null."""
+    if cfg is None:
+        return default
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
 
 
 def group_stats(forest, credit) -> dict[str, float]:

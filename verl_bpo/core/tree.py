@@ -1,10 +1,11 @@
-"""BPO tree math: masses, subtree values and leave-one-out sibling advantages. Pure numpy; no verl import.
+"""BPO tree math: masses, subtree values and leave-one-out sibling advantages. Pure numpy.
 
 A batch of trees is held as a :class:`Forest`: flat arrays over every node of every tree. A node is a decision
 point (after an observation, before the next turn); the turn that led into node ``n`` is the *edge* ``n`` (its
 parent is ``parent[n]``), so per-turn quantities live on the child node of the turn. Roots have ``parent = -1``.
 
-Spec (research/anchors.md §3.2, §3.5), with K_u the number of children of u:
+With K_u the number of children of u (tree Monte Carlo with leave-one-out baselines: RLOO, Kool et al. 2019,
+"Buy 4 REINFORCE samples, get a baseline for free!"; applied at every fork of the tree):
 
     masses     ω_root = 1,  ω_c = ω_u / K_u                          (leaf weight w_ℓ = ω_leaf; Σ_ℓ w_ℓ = 1)
     values     Q̂_c = r_c + γ · V̂(c),   V̂(u) = (1/K_u) Σ_{c ∈ ch(u)} Q̂_c,   V̂(leaf) = 0
@@ -21,50 +22,14 @@ All passes are vectorised over nodes; the only Python loops run over tree depth.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import numpy as np
 
-__all__ = ["CreditOptions", "Forest", "Credit", "compute_credit", "paint_spans"]
+from verl_bpo.core.config import BPOConfig
 
-Baseline = Literal["loo", "mean_incl_self"]
-Scale = Literal["none", "group_std"]
-DiscountWeighting = Literal["segment", "exact"]
+__all__ = ["Forest", "Credit", "compute_credit", "paint_spans"]
 
-
-@dataclasses.dataclass(frozen=True)
-class CreditOptions:
-    """How segment advantages are computed.
-
-    Attributes:
-        gamma: discount per turn, applied along parent→child edges only. Default 1.0 (terminal success rewards).
-        baseline: ``"loo"`` (default): mean of the *other* siblings' returns — action-independent, so the gradient
-            stays unbiased. ``"mean_incl_self"``: mean of all siblings including the turn itself (GRPO's choice;
-            shrinks advantages by (K−1)/K).
-        scale: ``"none"`` (default) or ``"group_std"``: divide by the siblings' standard deviation (unbiased
-            estimator, as torch.std) plus ``epsilon``, as GRPO does. Biased (Dr. GRPO, arXiv 2503.20783).
-        discount_weighting: ``"segment"`` (default) drops the state weight γ^{t_u}, the approximation PPO/GRPO make;
-            ``"exact"`` multiplies every token of segment e by γ^{t_u(e)}, the exact discounted policy gradient.
-        epsilon: added to the std under ``scale="group_std"``. Default 1e-6, verl's GRPO value.
-    """
-
-    gamma: float = 1.0
-    baseline: Baseline = "loo"
-    scale: Scale = "none"
-    discount_weighting: DiscountWeighting = "segment"
-    epsilon: float = 1e-6
-
-    def __post_init__(self) -> None:
-        choices = {"baseline": ("loo", "mean_incl_self"), "scale": ("none", "group_std"),
-                   "discount_weighting": ("segment", "exact")}
-        for field, allowed in choices.items():
-            value = getattr(self, field)
-            if value not in allowed:
-                raise ValueError(f"bpo.{field}={value!r} is not valid; use one of {list(allowed)}")
-        if not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"gamma={self.gamma} must be in (0, 1]; set algorithm.gamma")
-        if self.epsilon < 0:
-            raise ValueError(f"bpo.epsilon={self.epsilon} must be >= 0")
+_DEFAULT = BPOConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +103,6 @@ class Credit:
         segment_top: for each non-root node, the child node of its segment's first edge (-1 at roots).
         advantage: advantage credited to the turn entering each node: A of its segment, times γ^{t_u} under
             ``discount_weighting="exact"`` (0 at roots).
-        leaves_per_tree: ``(n,)`` number of leaves of the tree each node belongs to.
     """
 
     mass: np.ndarray
@@ -146,12 +110,17 @@ class Credit:
     q: np.ndarray
     segment_top: np.ndarray
     advantage: np.ndarray
-    leaves_per_tree: np.ndarray
 
 
-def compute_credit(forest: Forest, options: CreditOptions = CreditOptions()) -> Credit:
-    """Masses, values, and sibling advantages of every node of ``forest`` (spec §3.5)."""
-    parent, k, gamma = forest.parent, forest.num_children, options.gamma
+def compute_credit(forest: Forest, config: BPOConfig = _DEFAULT, gamma: float = 1.0) -> Credit:
+    """Masses, values, and sibling advantages of every node of ``forest``.
+
+    ``config`` supplies the advantage options (``baseline``, ``scale``, ``discount_weighting``, ``epsilon``);
+    ``gamma`` is the discount per turn (verl's ``algorithm.gamma``).
+    """
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma={gamma} must be in (0, 1]; set algorithm.gamma")
+    parent, k = forest.parent, forest.num_children
     levels = forest.levels()
     n = forest.size
     has_parent = parent >= 0
@@ -182,27 +151,21 @@ def compute_credit(forest: Forest, options: CreditOptions = CreditOptions()) -> 
     k_u = k[u].astype(np.float64)
     group = k_u >= 2
     safe_k1 = np.where(group, k_u - 1, 1.0)
-    if options.baseline == "loo":
+    if config.baseline == "loo":
         baseline = (q_sum[u] - q[top]) / safe_k1
     else:
         baseline = value[u]
     adv_top = np.where(group, q[top] - baseline, 0.0)
-    if options.scale == "group_std":
+    if config.scale == "group_std":
         var = np.maximum(q_sqsum[u] - k_u * value[u] ** 2, 0.0) / safe_k1
-        adv_top = adv_top / (np.sqrt(var) + options.epsilon)
-    if options.discount_weighting == "exact" and gamma != 1.0:
+        adv_top = adv_top / (np.sqrt(var) + config.epsilon)
+    if config.discount_weighting == "exact" and gamma != 1.0:
         adv_top = adv_top * gamma ** forest.depth[u]
     adv_by_top = np.zeros(n)
     adv_by_top[top] = adv_top
     advantage = np.where(has_parent, adv_by_top[np.maximum(segment_top, 0)], 0.0)
 
-    # Leaves per tree: a root's subtree leaf count, broadcast to its nodes.
-    root_of = np.arange(n)
-    for level in levels[1:]:
-        root_of[level] = root_of[parent[level]]
-    leaves = np.bincount(root_of[forest.is_leaf], minlength=n)[root_of]
-
-    return Credit(mass, value, q, segment_top, advantage, leaves)
+    return Credit(mass, value, q, segment_top, advantage)
 
 
 def paint_spans(

@@ -1,4 +1,4 @@
-"""In-process rollout with a local Hugging Face model: an :class:`~verl_bpo.sampler.LLMClient` and a chat codec.
+"""In-process rollout with a local Hugging Face model: an :class:`~verl_bpo.rollout.protocols.LLMClient` and a chat codec.
 
 verl serves the policy through vLLM/SGLang and tokenizes turns with its continuous-token builder; these two classes
 stand in for both when no server runs (the tree picture of the CPU demo, and ``benchmarks/learning.py``, which
@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from verl_bpo.sampler import Transcript
+from verl_bpo.rollout.protocols import Transcript
 
 __all__ = ["Generation", "BatchedHFClient", "TemplateCodec"]
 

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
+from verl_bpo.demo.tiny_model import build_tiny_model, default_corpus
+from verl_bpo.demo.warm_start import random_policy_chats, warm_start
 from verl_bpo.platforms import cpu_launch
-from verl_bpo.tiny_model import build_tiny_model, default_corpus
-from verl_bpo.warm_start import random_policy_chats, warm_start
 
 __all__ = ["DemoSettings", "demo_model", "train", "main"]
 
@@ -168,8 +168,8 @@ def summarize(results: dict[str, cpu_launch.RunResult]) -> dict[str, dict[str, f
         summary[name] = {
             "first_success": success[0],
             "final_success_last3": sum(tail) / len(tail),
-            "generated_tokens_per_leaf": sum(series(result, "bpo/generated_tokens_per_leaf")) / len(success),
-            "env_steps_per_leaf": sum(series(result, "bpo/env_steps_per_leaf")) / len(success),
+            "generated_tokens_per_tree": sum(series(result, "bpo/generated_tokens")) / len(success),
+            "env_steps_per_tree": sum(series(result, "bpo/env_steps")) / len(success),
             "wall_s": result.wall_s,
         }
     return summary
@@ -197,16 +197,16 @@ def main(argv: list[str] | None = None) -> None:
         results[estimator] = train(estimator, model, data, out / estimator, args.steps, settings)
     print("4/4 writing the plots and the summary ...", flush=True)
     plot_learning(results, out / "learning_curve.png")
-    from verl_bpo.tree_picture import draw_sampled_tree
+    from verl_bpo.demo.tree_picture import draw_sampled_tree
 
     draw_sampled_tree(model, out / "tree.png", SMOKE, TASKS[3], settings.n_leaves)
     summary = summarize(results)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"\n{'estimator':10s} {'success@1':>10s} {'success(last 3)':>16s} {'tokens/leaf':>12s} "
-          f"{'env steps/leaf':>15s} {'wall s':>8s}")
+    print(f"\n{'estimator':10s} {'success@1':>10s} {'success(last 3)':>16s} {'tokens/tree':>12s} "
+          f"{'env steps/tree':>15s} {'wall s':>8s}")
     for name, row in summary.items():
         print(f"{name:10s} {row['first_success']:10.2f} {row['final_success_last3']:16.2f} "
-              f"{row['generated_tokens_per_leaf']:12.1f} {row['env_steps_per_leaf']:15.2f} {row['wall_s']:8.0f}")
+              f"{row['generated_tokens_per_tree']:12.1f} {row['env_steps_per_tree']:15.2f} {row['wall_s']:8.0f}")
     print(f"\nwrote {out / 'learning_curve.png'}, {out / 'tree.png'}, {out / 'summary.json'} "
           f"in {time.monotonic() - start:.0f} s")
 

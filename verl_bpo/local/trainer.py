@@ -4,13 +4,15 @@
 estimator would take most of its time on a small CPU box. This loop keeps every part that decides the comparison
 and replaces only the serving and sharding machinery:
 
-* the rollout is the real :class:`~verl_bpo.sampler.TreeSampler` (tree mode for ``bpo``, flat mode for the
-  baselines, from the same ``bpo`` settings through :func:`~verl_bpo.config.sampler_config_from`) on a real sandbox;
+* the rollout is the real :class:`~verl_bpo.rollout.sampler.TreeSampler` (tree mode for ``bpo``, flat mode for
+  the baselines, from the same ``bpo`` settings) on a real sandbox, with one
+  :class:`~verl_bpo.core.fork_policy.ForkPolicy` kept across updates, as an agent-loop worker keeps it;
 * advantages come from verl's estimator registry (``core_algos.get_adv_estimator_fn``): this plugin's ``bpo``, and
-  verl's own ``grpo``/``rloo``, called the way verl's trainer calls them;
-* the loss is verl's vanilla policy-gradient loss aggregated by verl's ``agg_loss`` (the plugin's default
-  ``seq-mean-token-sum-norm``), with verl's default gradient clipping (1.0); ``grad_norm`` is the pre-clip norm,
-  as verl's actor logs it;
+  verl's own ``grpo``/``rloo``, called the way verl's trainer calls them, with the BPO trainer's rows per tree;
+* the loss is verl's registered policy loss aggregated by ``agg_loss`` with the arguments verl's actor passes
+  (:func:`~verl_bpo.integration.actor_loss.actor_loss`: the batch's rows as ``global_batch_size``, the response
+  length as ``loss_scale_factor``), with verl's default gradient clipping (1.0); ``grad_norm`` is the pre-clip
+  norm, as verl's actor logs it;
 * stand-ins: the policy is served in-process by :class:`~verl_bpo.hf_rollout.BatchedHFClient` instead of vLLM, and
   updated with one AdamW step per batch on one process instead of FSDP. That is what verl does with one PPO epoch
   and one mini-batch per step (the ratio is 1 on-policy, so clipping never binds).
@@ -28,9 +30,13 @@ from typing import Any
 import numpy as np
 
 from sandbox_adapters.registry import make_sandbox
-from verl_bpo.config import sampler_config_from
-from verl_bpo.hf_rollout import BatchedHFClient, TemplateCodec
-from verl_bpo.sampler import Leaf, TreeResult, TreeSampler
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.fork_policy import ForkPolicy
+from verl_bpo.integration.actor_loss import actor_loss
+from verl_bpo.integration.batch_layout import rows_per_tree
+from verl_bpo.local.hf_client import BatchedHFClient, TemplateCodec
+from verl_bpo.rollout.sampler import TreeSampler
+from verl_bpo.rollout.tree_state import Leaf, TreeResult
 
 __all__ = ["LocalRLConfig", "LocalRL", "StepStats"]
 
@@ -71,8 +77,9 @@ class StepStats:
     success_rate: float
     leaf_return: float
     grad_norm: float
-    env_steps_per_leaf: float
-    generated_tokens_per_leaf: float
+    env_steps: float
+    generated_tokens: float
+    trainer_rows: float
     zero_advantage_share: float
 
 
@@ -90,7 +97,8 @@ class LocalRL:
         self.codec = TemplateCodec(tokenizer)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
         self.estimator_fn = core_algos.get_adv_estimator_fn(config.estimator)
-        self.agg_loss = core_algos.agg_loss
+        self.bpo = BPOConfig.from_mapping(config.bpo)
+        self.policies: dict[str, ForkPolicy] = {}  # per estimator: what it learns carries across updates
         self.updates = 0
 
     # --- rollout ------------------------------------------------------------------------------------------------
@@ -98,14 +106,15 @@ class LocalRL:
                 estimator: str | None = None) -> list[TreeResult]:
         """One tree (or flat group) per task, all grown concurrently so their turns batch together."""
         n = n_leaves or self.config.n_leaves
-        sampler_config = sampler_config_from(dict(self.config.bpo), n_leaves=n,
-                                             estimator=estimator or self.config.estimator,
-                                             response_length=self.config.response_length)
+        estimator = estimator or self.config.estimator
+        config = self.bpo.for_estimator(estimator)
+        policy = self.policies.setdefault(estimator, ForkPolicy(config))
 
         async def grow_all() -> list[TreeResult]:
             samplers = [
-                TreeSampler(sampler_config, lambda: make_sandbox(self.sandbox, self.sandbox_config), task,
-                            self.client, self.codec, tree_id=f"s{self.seed}-u{self.updates}-t{i}",
+                TreeSampler(config, n, self.config.response_length,
+                            lambda: make_sandbox(self.sandbox, self.sandbox_config), task, self.client, self.codec,
+                            tree_id=f"s{self.seed}-u{self.updates}-t{i}", policy=policy,
                             seed=hash((self.seed, self.updates, i)) % 2**31)
                 for i, task in enumerate(tasks)
             ]
@@ -116,8 +125,7 @@ class LocalRL:
     def evaluate(self, tasks: Sequence[Mapping[str, Any]], episodes_per_task: int = 2) -> float:
         """Success rate of independent sampled episodes (flat groups) on ``tasks``."""
         results = self.rollout(tasks, n_leaves=episodes_per_task, estimator="grpo")
-        leaves = [leaf for r in results for leaf in r.leaves]
-        return sum(leaf.won for leaf in leaves) / len(leaves)
+        return float(np.mean([r.metrics["bpo/success_rate"] for r in results]))
 
     # --- update -------------------------------------------------------------------------------------------------
     def _batch(self, results: list[TreeResult]) -> dict[str, Any]:
@@ -139,7 +147,9 @@ class LocalRL:
         kwargs = {"token_level_rewards": batch["token_level_rewards"], "response_mask": batch["response_mask"],
                   "index": batch["uid"], "config": {"gamma": self.config.gamma}}
         if self.config.estimator == "bpo":
-            kwargs.update(tree_meta=[leaf.meta for leaf in batch["leaves"]], bpo_config=dict(self.config.bpo))
+            trees = len(set(batch["uid"].tolist()))
+            kwargs.update(tree_meta=[leaf.meta for leaf in batch["leaves"]], bpo_config=self.bpo,
+                          rows_per_tree=rows_per_tree(len(batch["leaves"]), trees))
         advantages, _ = self.estimator_fn(**kwargs)
         return advantages
 
@@ -171,9 +181,9 @@ class LocalRL:
         mask = batch["response_mask"]
         self.model.train()
         log_probs = self._response_log_probs(batch["leaves"], mask.shape[1])
-        ratio = torch.exp(log_probs - log_probs.detach())  # 1 on-policy; carries the gradient of log pi
-        loss = self.agg_loss(-advantages * ratio, mask, self.config.loss_agg_mode,
-                             loss_scale_factor=self.config.response_length)
+        # One on-policy step: old log-probs are the current ones (ratio 1), as verl's first mini-batch sees them.
+        loss = actor_loss(log_probs, log_probs.detach(), advantages, mask, loss_agg_mode=self.config.loss_agg_mode,
+                          global_batch_size=mask.shape[0], loss_scale_factor=self.config.response_length)
         self.optimizer.zero_grad()
         loss.backward()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -195,13 +205,17 @@ class LocalRL:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.updates += 1
-        leaves = batch["leaves"]
         zero = (batch["advantages"] * batch["response_mask"]).abs().sum(-1) == 0
+
+        def mean(key: str) -> float:
+            return float(np.mean([r.metrics[key] for r in results]))
+
         return StepStats(
-            success_rate=sum(leaf.won for leaf in leaves) / len(leaves),
-            leaf_return=sum(leaf.reward for leaf in leaves) / len(leaves),
+            success_rate=mean("bpo/success_rate"),
+            leaf_return=mean("bpo/leaf_return"),
             grad_norm=norm,
-            env_steps_per_leaf=float(np.mean([r.metrics["bpo/env_steps_per_leaf"] for r in results])),
-            generated_tokens_per_leaf=float(np.mean([r.metrics["bpo/generated_tokens_per_leaf"] for r in results])),
+            env_steps=mean("bpo/env_steps"),
+            generated_tokens=mean("bpo/generated_tokens"),
+            trainer_rows=mean("bpo/trainer_rows"),
             zero_advantage_share=float(zero.float().mean()),
         )

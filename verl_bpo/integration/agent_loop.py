@@ -1,4 +1,4 @@
-"""verl agent loop ``bpo_tree``: the N sessions of one uid share one TreeSampler; each returns one leaf.
+"""verl agent loop ``bpo_tree``: the sessions of one uid share one TreeSampler; each returns one leaf.
 
 verl 0.9.1's v1 trainer runs ``rollout.n`` sessions per prompt uid as asyncio tasks in one AgentLoopWorker
 process (``agent_loop_tq.py``: ``_run_prompt``), each calling ``run(sampling_params, session_id=i, uid=...)``.
@@ -12,6 +12,10 @@ The number of sessions is counted, not configured: every session of a uid regist
 independent episodes and training gets the configured tree. The sandbox and its task come from the dataset row:
 ``extra_info.sandbox`` (``{"name": ..., "config": {...}}`` or its JSON, default ``bpo.sandbox``) and
 ``extra_info.task`` (a mapping or its JSON); ``verl_bpo.data`` writes such rows.
+
+The fork policy is per worker process: one :class:`~verl_bpo.core.fork_policy.ForkPolicy` per sandbox and tree
+setting, shared by every tree the worker grows, in every training step, so what it learns from finished trees
+(the ``quantile`` threshold) carries over.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
 from sandbox_adapters.registry import make_sandbox
-from verl_bpo.config import sampler_config_from
-from verl_bpo.sampler import Leaf, Transcript, TreeResult, TreeSampler
-from verl_bpo.tree_meta import META_KEY
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.fork_policy import ForkPolicy
+from verl_bpo.core.leaf_meta import META_KEY
+from verl_bpo.rollout.protocols import ChatCodec, Transcript
+from verl_bpo.rollout.sampler import TreeSampler
+from verl_bpo.rollout.tree_state import Leaf, TreeResult
 
-__all__ = ["AGENT_NAME", "BPOTreeAgentLoop", "VerlChatCodec"]
+__all__ = ["AGENT_NAME", "TREE_METRICS_KEY", "BPOTreeAgentLoop", "VerlChatCodec"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +89,25 @@ class BPOTreeAgentLoop(AgentLoopBase):
 
     # Per worker process: the sessions of one uid all run in the same process and event loop.
     _trees: ClassVar[dict[str, _TreeEntry]] = {}
+    _policies: ClassVar[dict[str, ForkPolicy]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.pop("name", None)
         kwargs.pop("tools", None)
         super().__init__(*args, **kwargs)
+
+    def make_codec(self) -> ChatCodec:
+        """The tokenization of a tree's transcripts: verl's continuous-token builder."""
+        return VerlChatCodec(self)
+
+    @classmethod
+    def fork_policy(cls, sandbox: str, config: BPOConfig) -> ForkPolicy:
+        """This worker's policy for trees of ``sandbox`` under ``config`` (created on first use, then kept)."""
+        key = json.dumps([sandbox, config.to_dict()], sort_keys=True, default=str)
+        policy = cls._policies.get(key)
+        if policy is None:
+            policy = cls._policies[key] = ForkPolicy(config)
+        return policy
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list:
         uid, session = str(kwargs["uid"]), int(kwargs.get("session_id", 0))
@@ -108,20 +129,20 @@ class BPOTreeAgentLoop(AgentLoopBase):
     async def _grow(self, entry: _TreeEntry, uid: str, sampling_params: dict[str, Any], row: Mapping) -> TreeResult:
         for _ in range(3):  # let every session of this uid register (they were all created before any ran)
             await asyncio.sleep(0)
-        bpo_cfg = self.config.get("bpo", {})
-        estimator = self.config.algorithm.adv_estimator
-        config = sampler_config_from(bpo_cfg, n_leaves=len(entry.sessions), estimator=estimator,
-                                     response_length=self.rollout_config.response_length)
+        bpo = BPOConfig.from_mapping(_python(self.config.get("bpo") or {}))
+        config = bpo.for_estimator(self.config.algorithm.adv_estimator)
         extra = dict(row.get("extra_info") or {})
-        sandbox_spec = _plain(extra.get("sandbox") or bpo_cfg.get("sandbox") or {"name": "smoke"})
+        sandbox_spec = _plain(extra.get("sandbox") or dataclasses.asdict(bpo.sandbox))
         name, sandbox_config = sandbox_spec["name"], sandbox_spec.get("config") or {}
         task = _plain(extra.get("task") or {})
         if not isinstance(task, Mapping):
             raise ValueError(f"extra_info.task of uid {uid} must be a mapping (or its JSON), got {type(task).__name__}")
         sampler = TreeSampler(
-            config, lambda: make_sandbox(name, sandbox_config), task, self.server_manager, VerlChatCodec(self),
+            config, len(entry.sessions), self.rollout_config.response_length,
+            lambda: make_sandbox(name, sandbox_config), task, self.server_manager, self.make_codec(),
             # str hash() is salted per process; crc32 makes the sandbox seeds a pure function of the uid.
-            tree_id=uid, sampling_params=sampling_params, seed=zlib.crc32(f"{uid}/{row.get('index', 0)}".encode()),
+            tree_id=uid, sampling_params=sampling_params, policy=self.fork_policy(name, config),
+            seed=zlib.crc32(f"{uid}/{row.get('index', 0)}".encode()),
         )
         return await sampler.run()
 
@@ -131,8 +152,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
         extra_fields: dict[str, Any] = {
             **weight_versions,  # verl tags each row with the model versions that generated it
             META_KEY: leaf.meta.to_dict(),
-            "bpo_leaf": {"env_steps": leaf.env_steps, "failed": leaf.failed, "truncated": leaf.truncated,
-                         "won": leaf.won, "error": leaf.error},
+            "bpo_leaf": {"failed": leaf.failed, "truncated": leaf.truncated, "won": leaf.won, "error": leaf.error},
         }
         if tree_metrics is not None:
             extra_fields[TREE_METRICS_KEY] = tree_metrics
@@ -149,13 +169,18 @@ class BPOTreeAgentLoop(AgentLoopBase):
 
 
 def _plain(value: Any) -> Any:
-    """OmegaConf containers, JSON strings (verl_bpo.data writes them) and numpy values as plain Python."""
+    """A dataset or config value as plain Python: a JSON string (verl_bpo.data writes them), an OmegaConf
+    container, or a mapping holding numpy values."""
     if isinstance(value, str):
         return json.loads(value)
+    return _python(value)
+
+
+def _python(value: Any) -> Any:
     if OmegaConf.is_config(value):
         return OmegaConf.to_container(value, resolve=True)
     if hasattr(value, "tolist"):
         return value.tolist()
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: _python(v) for k, v in value.items()}
     return value

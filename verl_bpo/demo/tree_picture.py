@@ -1,6 +1,6 @@
 """Grow one BPO tree with a local Hugging Face model (no server) and draw it: forks, returns, advantages.
 
-Used by the CPU demo; the tree is sampled in-process (``verl_bpo.hf_rollout``) from the warm-started model.
+Used by the CPU demo; the tree is sampled in-process (``verl_bpo.local.hf_client``) from the warm-started model.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 
 from sandbox_adapters.registry import make_sandbox
-from verl_bpo.branching import BranchingConfig
-from verl_bpo.hf_rollout import BatchedHFClient, TemplateCodec
-from verl_bpo.sampler import SamplerConfig, TreeResult, TreeSampler
-from verl_bpo.tree import compute_credit
-from verl_bpo.tree_meta import build_leaf_rows
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.leaf_meta import build_leaf_rows
+from verl_bpo.core.tree import compute_credit
+from verl_bpo.local.hf_client import BatchedHFClient, TemplateCodec
+from verl_bpo.rollout.sampler import TreeSampler
+from verl_bpo.rollout.tree_state import TreeResult
 
 __all__ = ["sample_tree", "draw_tree", "draw_sampled_tree"]
 
@@ -30,10 +31,9 @@ def sample_tree(model_dir: str | Path, sandbox: str, sandbox_config: Mapping, ta
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    config = SamplerConfig(branching=BranchingConfig(n_leaves=n_leaves, k=2, k0=2, max_forks_per_wave=2),
-                           max_turns=max_turns, response_length=1024, max_tokens_per_turn=6)
-    sampler = TreeSampler(config, lambda: make_sandbox(sandbox, sandbox_config), task, BatchedHFClient(model, tokenizer),
-                          TemplateCodec(tokenizer), tree_id="picture", seed=seed)
+    config = BPOConfig(mode="tree", k=2, k0=2, max_forks_per_wave=2, max_turns=max_turns, max_tokens_per_turn=6)
+    sampler = TreeSampler(config, n_leaves, 1024, lambda: make_sandbox(sandbox, sandbox_config), task,
+                          BatchedHFClient(model, tokenizer), TemplateCodec(tokenizer), tree_id="picture", seed=seed)
     return asyncio.run(sampler.run())
 
 

@@ -1,0 +1,2 @@
+"""The BPO algorithm, independent of verl, torch and any sandbox: the ``bpo`` config (:mod:`.config`), tree math
+(:mod:`.tree`), per-leaf metadata (:mod:`.leaf_meta`) and the fork rule (:mod:`.fork_policy`)."""

@@ -1,0 +1,3 @@
+from verl_bpo.demo.cpu_demo import main
+
+main()

@@ -1,0 +1,155 @@
+"""verl glue: the sync trainer that hands tree metadata to the ``bpo`` estimator, and its TaskRunner.
+
+``BPOTrainer`` is verl's own ``PPOTrainerSync`` (``trainer_mode=sync``, unchanged semantics). It always logs the
+per-tree ``bpo/...`` metrics the agent loop returns. For ``algorithm.adv_estimator=bpo`` it also:
+
+* runs verl's advantage code inside :func:`~verl_bpo.integration.estimator.tree_call_context`, so the registered
+  estimator sees each row's tree metadata and the batch's rows per tree;
+* pads the batch so it splits into ``train_batch_size / ppo_mini_batch_size`` equal mini-batches, and gives the
+  actor the rows of one mini-batch as its loss normalizer (:mod:`~verl_bpo.integration.batch_layout`): a tree
+  batch has as many rows as its trees have leaves, not ``ppo_mini_batch_size · rollout.n``.
+
+With every tree holding ``rollout.n`` leaves all three are verl's own values. Every other estimator runs verl's
+code unchanged. ``BPOTaskRunner`` is verl's ``TaskRunnerV1.run`` with this trainer class (the
+``run_ppo(config, task_runner_class=...)`` hook verl provides for recipes).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator, Mapping
+from pprint import pprint
+from typing import Any
+
+import ray
+import transfer_queue as tq
+from omegaconf import DictConfig, OmegaConf, open_dict
+from verl.trainer.ppo.v1 import AgentLoopManagerTQ, PPOTrainerSync
+from verl.utils.import_utils import load_class_from_fqn
+from verl.utils.logging_utils import configure_verl_logging
+
+from verl_bpo.core.leaf_meta import META_KEY, is_padding_uid
+from verl_bpo.integration.agent_loop import TREE_METRICS_KEY
+from verl_bpo.integration.batch_layout import batch_multiple, minibatch_rows, rows_per_tree
+from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
+
+__all__ = ["BPOTrainer", "BPOTaskRunner", "tree_metrics", "batch_tree_call", "column"]
+
+
+def column(data: Any, key: str) -> list[Any]:
+    """A non-tensor TensorDict column as a plain list (``.get`` gives a NonTensorStack, ``[]`` a LinkedList)."""
+    value = data.get(key)
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def tree_metrics(uids: list[Any], extra_fields: list[Any]) -> dict[str, float]:
+    """Mean of every per-tree ``bpo/...`` metric over the trees of a batch, plus leaf-level failure rates."""
+    sums: dict[str, float] = collections.defaultdict(float)
+    trees = leaves = failed = 0
+    for uid, extra in zip(uids, extra_fields):
+        if is_padding_uid(uid) or not isinstance(extra, dict) or META_KEY not in extra:
+            continue
+        leaves += 1
+        failed += bool(extra[META_KEY].get("failed"))
+        if TREE_METRICS_KEY in extra:
+            trees += 1
+            for name, value in extra[TREE_METRICS_KEY].items():
+                sums[name] += float(value)
+    out = {name: total / trees for name, total in sums.items()} if trees else {}
+    if leaves:
+        out["bpo/failed_leaf_rate"] = failed / leaves
+    return out
+
+
+def batch_tree_call(uids: list[Any], extra_fields: list[Any],
+                    bpo_config: Mapping[str, Any] | None) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """The ``bpo`` estimator's context for one trainer batch: every row's tree metadata (``None`` for verl's
+    padding rows) and the batch's rows per tree, the advantage scale that matches the actor's loss normalizer."""
+    metas = [None if is_padding_uid(u) or not isinstance(e, dict) else e.get(META_KEY)
+             for u, e in zip(uids, extra_fields)]
+    trees = len({u for u in uids if not is_padding_uid(u)})
+    return tree_call_context(metas, bpo_config, rows_per_tree(len(uids), trees))
+
+
+class BPOTrainer(PPOTrainerSync):
+    """verl's sync trainer, plus the tree metadata hand-off to the ``bpo`` estimator (module docstring)."""
+
+    @property
+    def _trees_bpo(self) -> bool:
+        return self.config.algorithm.adv_estimator == ESTIMATOR_NAME
+
+    @property
+    def _minibatches(self) -> int:
+        return self.config.data.train_batch_size // self.config.actor_rollout_ref.actor.ppo_mini_batch_size
+
+    def _get_required_batch_multiple(self, dp_size: int) -> int:
+        multiple = super()._get_required_batch_multiple(dp_size)
+        return batch_multiple(multiple, self._minibatches, dp_size) if self._trees_bpo else multiple
+
+    def _compute_advantage(self, batch, metrics: dict):
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "extra_fields"])
+        uids, extra_fields = column(data, "uid"), column(data, "extra_fields")
+        metrics.update(tree_metrics(uids, extra_fields))
+        if not self._trees_bpo:
+            return super()._compute_advantage(batch, metrics)
+        bpo_config = OmegaConf.to_container(self.config.bpo, resolve=True) if "bpo" in self.config else None
+        with batch_tree_call(uids, extra_fields, bpo_config) as call:
+            batch = super()._compute_advantage(batch, metrics)
+        metrics.update(call["stats"])
+        return batch
+
+    def _update_actor(self, batch, metrics: dict):
+        if not self._trees_bpo:
+            return super()._update_actor(batch, metrics)
+        with self._minibatch_rows(minibatch_rows(len(batch), self._minibatches)):
+            return super()._update_actor(batch, metrics)
+
+    @contextlib.contextmanager
+    def _minibatch_rows(self, rows: int) -> Iterator[None]:
+        """verl sizes the actor's mini-batch as ``ppo_mini_batch_size · rollout.n`` rows (its loss normalizer,
+        ``global_batch_size``); for the duration of one update that product is set to ``rows``."""
+        actor, rollout = self.config.actor_rollout_ref.actor, self.config.actor_rollout_ref.rollout
+        saved = actor.ppo_mini_batch_size, rollout.n
+        with open_dict(self.config):
+            actor.ppo_mini_batch_size, rollout.n = rows, 1
+        try:
+            yield
+        finally:
+            with open_dict(self.config):
+                actor.ppo_mini_batch_size, rollout.n = saved
+
+
+@ray.remote
+class BPOTaskRunner:
+    """``TaskRunnerV1`` with :class:`BPOTrainer` (verl: ``trainer/main_ppo.py``, ``TaskRunnerV1.run``)."""
+
+    def run(self, config: DictConfig) -> None:
+        configure_verl_logging()
+        import verl_bpo.integration.estimator  # noqa: F401  (registers "bpo" here even if entry points are disabled)
+
+        config.transfer_queue.enable = True
+        pprint(OmegaConf.to_container(config, resolve=True))
+        OmegaConf.resolve(config)
+        tq.init(config.transfer_queue)
+        trainer, succeeded = None, False
+        try:
+            trainer = BPOTrainer(config=config)
+            trainer.init()
+            manager_fqn = config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
+            manager_cls = load_class_from_fqn(manager_fqn, "AgentLoopManager") if manager_fqn else AgentLoopManagerTQ
+            manager = manager_cls.create(
+                config=config,
+                llm_client=trainer.get_llm_client(),
+                teacher_client=trainer.get_teacher_client(),
+                reward_loop_worker_handles=trainer.get_reward_handles(),
+            )
+            trainer.fit(manager)
+            succeeded = True
+        finally:
+            try:
+                tracking = getattr(trainer, "logger", None)
+                if tracking is not None:
+                    tracking.finish(exit_code=0 if succeeded else 1)
+            finally:
+                tq.close()

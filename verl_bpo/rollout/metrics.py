@@ -1,0 +1,54 @@
+"""Per-tree metrics, under the flat ``bpo/...`` names verl's logger takes (the trainer averages them over trees).
+
+Outcome metrics are mass-weighted: a tree's success rate is Σ_ℓ w_ℓ · won_ℓ, its expected success under the
+policy (the tree over-samples the subtrees below forks; the masses undo it). A flat group's masses are all 1/N, so
+the same metric is a flat run's plain mean and the two compare directly.
+
+Cost metrics count what the tree spent, shared prefixes once: ``env_steps`` sandbox steps (one per generated
+turn), ``generated_tokens`` (probes included), ``restores``, and ``trainer_rows`` (leaf rows the trainer trains on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from verl_bpo.core.fork_policy import TreePlan
+from verl_bpo.rollout.tree_state import Leaf, TreeState
+
+__all__ = ["tree_metrics"]
+
+
+def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: TreePlan,
+                 seconds: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    rows = max(len(leaves), 1)
+    children: dict[int, set[int]] = {}
+    for leaf in leaves:
+        for a, b in zip(leaf.meta.node_path, leaf.meta.node_path[1:]):
+            children.setdefault(a, set()).add(b)
+    # A segment starts at every child of a fork, and at the root's child when the root did not fork.
+    segments = sum(len(c) for c in children.values() if len(c) >= 2) or 1
+    metrics = {
+        "bpo/leaves": float(len(leaves)),
+        "bpo/leaf_utilization": len(leaves) / plan.n_leaves,
+        "bpo/unspent_leaf_budget": float(max(plan.leaves_left, 0)),
+        "bpo/forks": float(state.forks),
+        "bpo/success_rate": sum(leaf.mass * leaf.won for leaf in leaves),
+        "bpo/leaf_return": sum(leaf.mass * leaf.reward for leaf in leaves),
+        "bpo/failed_leaves": float(sum(leaf.failed for leaf in leaves)),
+        "bpo/truncated_leaves": float(sum(leaf.truncated for leaf in leaves)),
+        "bpo/reset_failures": 0.0,
+        "bpo/env_steps": float(state.turns),
+        "bpo/generated_tokens": float(state.generated_tokens),
+        "bpo/restores": float(len(seconds.get("restore", ()))),
+        "bpo/trainer_rows": float(len(leaves)),
+        "bpo/mean_segment_turns": state.turns / segments,
+        "bpo/leaf_depth": sum(leaf.meta.num_turns for leaf in leaves) / rows,
+    }
+    if plan.scores:
+        metrics["bpo/score_mean"] = sum(plan.scores) / len(plan.scores)
+        metrics["bpo/score_max"] = max(plan.scores)
+    for kind in ("snapshot", "restore", "step"):
+        values = seconds.get(kind)
+        if values:
+            metrics[f"bpo/{kind}_ms"] = 1e3 * sum(values) / len(values)
+    return metrics

@@ -1,0 +1,260 @@
+"""TreeSampler: grows one BPO tree for one task, against a Sandbox and an LLM client.
+
+The root is a fork of K0 (K0 = N with no later fork is *flat mode*: N independent rollouts through the same code,
+the GRPO/RLOO baseline). Then the tree grows in waves; in each wave every live branch stands on a fresh node:
+
+  1. **decide** — every eligible node is scored from a frozen view of its own history, and the tree's
+     :class:`~verl_bpo.core.fork_policy.TreePlan` gives each a width; a node of width K ≥ 2 is forked: its sandbox
+     is snapshotted once, K − 1 fresh sandboxes are restored from it (each re-seeded), the transcript is copied;
+  2. **act** — every branch (the original included) samples a fresh turn and steps its sandbox, all concurrently.
+
+One request id per tree gives the LLM server sticky routing, so siblings hit the same prefix cache. A sandbox that
+crashes, hangs past ``bpo.step_timeout_s`` or fails to restore ends its own leaf, never the tree; a sandbox that
+never starts (after a retry) turns the tree into N empty failed leaves, so verl's uid group stays whole. Every
+sandbox is closed when its branch ends, and all of them if the tree itself fails.
+
+The sampler is independent of verl: tokenization goes through a :class:`~verl_bpo.rollout.protocols.ChatCodec`
+and generation through any :class:`~verl_bpo.rollout.protocols.LLMClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sandbox_adapters.base import Observation, Sandbox, Snapshot
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.fork_policy import ForkPolicy, TreePlan
+from verl_bpo.rollout.metrics import tree_metrics
+from verl_bpo.rollout.protocols import ChatCodec, LLMClient, Transcript
+from verl_bpo.rollout.sandbox_calls import SandboxCalls
+from verl_bpo.rollout.scoring import ForkScorer, mean_surprisal
+from verl_bpo.rollout.tree_state import Branch, TreeResult, TreeState
+
+__all__ = ["TreeSampler"]
+
+logger = logging.getLogger(__name__)
+
+MISSING_LOG_PROBS = (
+    "the LLM server returned no log-probabilities for a turn; the tree's fork scores and verl's rollout "
+    "correction need them. Set actor_rollout_ref.rollout.calculate_log_probs=True."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unstarted:
+    """Why the episode never started, and the system prompt of the sandbox that failed."""
+
+    error: str
+    system_prompt: str
+
+
+class TreeSampler:
+    """Grows one tree. Create one per task (per verl uid) and ``await run()`` once.
+
+    Args:
+        config: the ``bpo`` settings, with ``mode`` resolved (:meth:`BPOConfig.for_estimator`).
+        n_leaves: N, verl's ``actor_rollout_ref.rollout.n``.
+        response_length: token budget of one leaf's response (verl's ``rollout.response_length``).
+        make_sandbox: a fresh, un-reset sandbox per call.
+        task: the task the sandbox is reset with.
+        llm, codec: generation and tokenization.
+        tree_id: verl's uid of the task.
+        sampling_params: passed to every generation (``max_tokens`` is set per turn).
+        policy: the worker's :class:`ForkPolicy` (learns across trees); a fresh one when omitted.
+        seed: seeds the sandboxes' re-seeding at forks.
+    """
+
+    RESET_ATTEMPTS = 2  # a reset that fails twice on fresh sandboxes is not transient: the tree becomes failed leaves
+
+    def __init__(self, config: BPOConfig, n_leaves: int, response_length: int, make_sandbox: Callable[[], Sandbox],
+                 task: Mapping[str, Any], llm: LLMClient, codec: ChatCodec, *, tree_id: str,
+                 sampling_params: Mapping[str, Any] | None = None, policy: ForkPolicy | None = None,
+                 seed: int = 0) -> None:
+        self.config = config
+        self.n_leaves = n_leaves
+        self.response_length = response_length
+        self.make_sandbox = make_sandbox
+        self.task = dict(task)
+        self.llm, self.codec = llm, codec
+        self.request_id = f"bpo-{tree_id}"  # one id per tree: sticky routing to one server's prefix cache
+        self.sampling_params = dict(sampling_params or {})
+        self.policy = policy if policy is not None else ForkPolicy(config)
+        self.tree = TreeState(tree_id)
+        self.scorer = ForkScorer(config, llm, self.request_id, self.sampling_params, self.tree)
+        self.calls = SandboxCalls(config.step_timeout_s)
+        self.rng = random.Random(seed)
+
+    # --- the tree, top to bottom --------------------------------------------------------------------------------
+    async def run(self) -> TreeResult:
+        plan = self.policy.start_tree(self.n_leaves)
+        try:
+            started = await self._start_episode()
+            if isinstance(started, _Unstarted):
+                return await self._unstarted_tree(plan, started)
+            root = await self._root_branch(*started)
+            self.tree.branches = [root, *await self._fork(root, plan.root_width)]
+            while active := self.tree.active():
+                if self.config.anticipating:  # the biased ablation draws the kept turn before deciding
+                    await asyncio.gather(*(self._draw_pending(b) for b in active))
+                await self._decide(plan, [b for b in active if b.node != 0])
+                await asyncio.gather(*(self._act(b) for b in self.tree.active()))
+        finally:
+            await asyncio.gather(*(self._close(b) for b in self.tree.open_sandboxes()))
+        self.policy.finish_tree(plan)
+        return self._result(plan)
+
+    async def _decide(self, plan: TreePlan, branches: list[Branch]) -> None:
+        """Score every eligible node from its own frozen view, then fork the ones the plan widens."""
+        views = [(b, b.view(self.config.max_turns)) for b in branches]
+        candidates = [(b, v) for b, v in views if plan.eligible(v)]
+        scores = await asyncio.gather(*(self.scorer(b, v) for b, v in candidates))
+        for (branch, _), width in zip(candidates, plan.widths(list(scores))):
+            if width >= 2:
+                children = await self._fork(branch, width)
+                if children:
+                    plan.spend(1 + len(children))
+                    self.tree.forks += 1
+                    self.tree.branches.extend(children)
+
+    # --- episode start ------------------------------------------------------------------------------------------
+    async def _start_episode(self) -> tuple[Sandbox, Observation] | _Unstarted:
+        """The root sandbox and its first observation; a failed reset is retried on a fresh sandbox
+        (``RESET_ATTEMPTS`` in all)."""
+        unstarted = _Unstarted("no reset attempted", "")
+        for _ in range(self.RESET_ATTEMPTS):
+            box = self.make_sandbox()
+            try:
+                observation = await self.calls("reset", box, "reset", self.task)
+                # The root's own randomness is the tree's, as every child's is (restore re-seeds them): a reset
+                # seed alone would give every tree of a task the same transitions on its first branch.
+                await self.calls("reset", box, "reseed", self.rng.randrange(2**31))
+                return box, observation
+            except Exception as exc:
+                logger.warning("tree %s: sandbox reset failed: %r", self.tree.tree_id, exc)
+                unstarted = _Unstarted(f"{type(exc).__name__}: {exc}", box.system_prompt())
+                await self.calls.close(box)
+        return unstarted
+
+    async def _root_branch(self, box: Sandbox, observation: Observation) -> Branch:
+        messages = [{"role": "system", "content": box.system_prompt()},
+                    {"role": "user", "content": box.first_user_message(observation)}]
+        prompt_ids = await self.codec.start(messages)
+        return Branch(0, box, Transcript(messages, list(prompt_ids), len(prompt_ids)), [0], [], 1.0)
+
+    async def _unstarted_tree(self, plan: TreePlan, unstarted: _Unstarted) -> TreeResult:
+        """N failed leaves when the episode never started, so verl's uid group stays whole (a group with no
+        trajectories stops verl's training step). Each leaf is one empty turn: its response is a mask-0 note, its
+        reward 0, and all leaves are flat siblings, so every advantage in the group is 0."""
+        note = unstarted.error
+        messages = [{"role": "system", "content": unstarted.system_prompt},
+                    {"role": "user", "content": f"The environment failed to start ({note})."}]
+        prompt_ids = await self.codec.start(messages)
+        base = Transcript(messages, list(prompt_ids), len(prompt_ids))
+        await self.codec.add_user(base, "No episode was played.")
+        base.turn_starts.append(0)
+        n = self.n_leaves
+        for _ in range(n):
+            node = self.tree.new_node()
+            branch = Branch(node, None, base.copy(), [0, node], [0.0], 1.0 / n, depth=1)
+            branch.done, branch.failed, branch.error = True, True, note
+            self.tree.branches.append(branch)
+        result = self._result(plan)
+        result.metrics["bpo/reset_failures"] = 1.0
+        result.metrics["bpo/unspent_leaf_budget"] = 0.0
+        return result
+
+    # --- forks and turns ----------------------------------------------------------------------------------------
+    async def _fork(self, branch: Branch, children: int) -> list[Branch]:
+        """Up to ``children − 1`` siblings of ``branch`` at its node, each with a restored, re-seeded sandbox.
+
+        A failed snapshot or restore makes the fork smaller; that is decided before any child turn is drawn, so
+        the tree stays unbiased. ``branch`` and its siblings share the mass ``ω / k`` of the fork's actual size k.
+        """
+        if children < 2:
+            return []
+        try:
+            snapshot: Snapshot = await self.calls("snapshot", branch.sandbox, "snapshot")
+        except Exception as exc:
+            logger.warning("tree %s: snapshot failed, node not forked: %r", self.tree.tree_id, exc)
+            return []
+        siblings = []
+        try:
+            for _ in range(children - 1):
+                box = self.make_sandbox()
+                try:
+                    await self.calls("restore", box, "restore", snapshot, self.rng.randrange(2**31))
+                except Exception as exc:
+                    logger.warning("tree %s: restore failed, one child fewer: %r", self.tree.tree_id, exc)
+                    await self.calls.close(box)
+                    continue
+                siblings.append(branch.copy_into(box))
+        finally:
+            snapshot.close()  # restored children are independent copies; the snapshot is no longer needed
+        if siblings:
+            mass = branch.mass / (1 + len(siblings))
+            forks = branch.forks + (branch.node != 0)  # the root fork does not count against max_forks_per_path
+            for b in (branch, *siblings):
+                b.mass, b.forks, b.since_fork = mass, forks, 0
+        return siblings
+
+    async def _generate(self, branch: Branch) -> tuple[list[int], list[float]]:
+        room = self.response_length - len(branch.transcript.response_mask)
+        cap = room if self.config.max_tokens_per_turn is None else min(room, self.config.max_tokens_per_turn)
+        params = {**self.sampling_params, "max_tokens": max(cap, 1)}
+        out = await self.llm.generate(self.request_id, prompt_ids=branch.transcript.token_ids, sampling_params=params)
+        self.tree.track_versions(out)
+        token_ids, log_probs = list(out.token_ids), list(out.log_probs or [])
+        if len(log_probs) != len(token_ids):
+            raise ValueError(MISSING_LOG_PROBS)
+        return token_ids, log_probs
+
+    async def _draw_pending(self, branch: Branch) -> None:
+        branch.pending = await self._generate(branch)
+
+    async def _act(self, branch: Branch) -> None:
+        """One turn: generate (or take the pending draw), step the sandbox, append the observation."""
+        token_ids, log_probs = branch.pending if branch.pending is not None else await self._generate(branch)
+        branch.pending = None
+        self.tree.generated_tokens += len(token_ids)
+        transcript = branch.transcript
+        text = await self.codec.add_assistant(transcript, token_ids, log_probs)
+        # The codec appends the generated tokens last (it may add or trim boundary tokens before them).
+        transcript.turn_starts.append(len(transcript.response_mask) - len(token_ids))
+        node = self.tree.new_node()
+        branch.node, branch.depth, branch.since_fork = node, branch.depth + 1, branch.since_fork + 1
+        branch.node_path.append(node)
+        branch.last_turn_surprisal = mean_surprisal(log_probs)
+        try:
+            result = await self.calls("step", branch.sandbox, "step", text)
+        except Exception as exc:  # any engine fault ends this leaf only; the failed turn earns 0
+            logger.warning("tree %s: a branch failed and becomes a failed leaf: %r", self.tree.tree_id, exc)
+            branch.turn_rewards.append(0.0)
+            branch.done, branch.failed, branch.error = True, True, f"{type(exc).__name__}: {exc}"
+            await self._close(branch)
+            return
+        branch.turn_rewards.append(float(result.reward))
+        out_of_room = len(transcript.response_mask) >= self.response_length
+        if result.done or branch.depth >= self.config.max_turns or out_of_room:
+            branch.done, branch.truncated, branch.won = True, not result.done, bool(result.info.get("won", False))
+            await self._close(branch)
+            return
+        await self.codec.add_user(transcript, branch.sandbox.render_observation(result.observation))
+        if len(transcript.response_mask) >= self.response_length:
+            branch.done, branch.truncated = True, True
+            await self._close(branch)
+
+    async def _close(self, branch: Branch) -> None:
+        if branch.sandbox is not None:
+            sandbox, branch.sandbox = branch.sandbox, None
+            await self.calls.close(sandbox)
+
+    # --- result -------------------------------------------------------------------------------------------------
+    def _result(self, plan: TreePlan) -> TreeResult:
+        leaves = self.tree.leaves(self.response_length, self.config.mask_failed_turns)
+        metrics = tree_metrics(self.tree, leaves, plan, self.calls.seconds)
+        return TreeResult(leaves, metrics, dict(self.tree.weight_versions))

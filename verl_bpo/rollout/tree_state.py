@@ -1,0 +1,154 @@
+"""A tree as it grows (its branches and node ids) and what it becomes (its leaves).
+
+A *branch* is one live path: the sandbox it acts in, its token transcript, the nodes it passed, and the rewards
+its turns earned. A fork copies a branch (a restored sandbox, a copied transcript); every branch, original
+included, then samples a fresh turn. A finished branch is a *leaf*: its transcript plus the
+:class:`~verl_bpo.core.leaf_meta.LeafMeta` that places it in the tree for the estimator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sandbox_adapters.base import Sandbox
+from verl_bpo.core.fork_policy import NodeView
+from verl_bpo.core.leaf_meta import LeafMeta
+from verl_bpo.rollout.protocols import Transcript
+
+__all__ = ["Branch", "Leaf", "TreeResult", "TreeState"]
+
+
+@dataclasses.dataclass
+class Branch:
+    """One live path of the tree.
+
+    Attributes:
+        node: the decision node the branch stands on (0 = the root).
+        sandbox: the sandbox it acts in; ``None`` once the branch has ended and closed it.
+        transcript: its token stream.
+        node_path: node ids from the root to ``node``.
+        turn_rewards: reward of each turn's sandbox step (a failed step earns 0).
+        mass: ω of ``node``: Π 1/K over the forks above it.
+        depth: turns taken.
+        forks: forks on the path, the root fork excluded.
+        since_fork: turns since the last fork on the path (the root counts as one).
+        last_turn_surprisal: mean −log π of the turn that led to ``node``.
+        pending: the kept turn drawn before the fork decision (the biased ``kept_turn_surprisal`` ablation only).
+        done, failed, truncated, won: how the branch ended (``failed``: its last step crashed or hung).
+        error: a short description of the failure, if any.
+    """
+
+    node: int
+    sandbox: Sandbox | None
+    transcript: Transcript
+    node_path: list[int]
+    turn_rewards: list[float]
+    mass: float
+    depth: int = 0
+    forks: int = 0
+    since_fork: int = 0
+    last_turn_surprisal: float | None = None
+    pending: tuple[list[int], list[float]] | None = None
+    done: bool = False
+    failed: bool = False
+    truncated: bool = False
+    won: bool = False
+    error: str | None = None
+
+    def view(self, max_turns: int) -> NodeView:
+        """The frozen view of the branch's node: all a fork decision may read."""
+        return NodeView(node_id=self.node, depth=self.depth, history=tuple(self.transcript.token_ids),
+                        parent_turn_surprisal=self.last_turn_surprisal, forks_on_path=self.forks,
+                        turns_since_fork=self.since_fork, horizon_left=max_turns - self.depth)
+
+    def copy_into(self, sandbox: Sandbox) -> Branch:
+        """A sibling at the same node: its own sandbox and transcript, the same history."""
+        return dataclasses.replace(self, sandbox=sandbox, transcript=self.transcript.copy(),
+                                   node_path=list(self.node_path), turn_rewards=list(self.turn_rewards), pending=None)
+
+
+@dataclasses.dataclass
+class Leaf:
+    """One finished path: its tokens and its place in the tree.
+
+    Attributes:
+        transcript: prompt + response tokens, masks and rollout log-probs (a masked failed turn has mask 0).
+        meta: the tree metadata the estimator consumes.
+        reward: the leaf return (undiscounted sum of its turn rewards; a failed turn earns 0).
+        failed: the sandbox crashed, timed out or failed to start on this path.
+        truncated: the path hit ``bpo.max_turns`` or the response budget before the episode ended.
+        won: the sandbox reported ``info["won"]`` on the final step.
+        error: a short description of the failure, if any.
+    """
+
+    transcript: Transcript
+    meta: LeafMeta
+    reward: float
+    failed: bool = False
+    truncated: bool = False
+    won: bool = False
+    error: str | None = None
+
+    @property
+    def mass(self) -> float:
+        return self.meta.leaf_mass
+
+
+@dataclasses.dataclass
+class TreeResult:
+    """The leaves of one tree, its metrics (flat ``bpo/...`` names, ready for verl's logger), and the model-version
+    range of its generations (``min_global_steps``/``max_global_steps`` from verl's server outputs; verl's trainer
+    reads them from every row for off-policy accounting)."""
+
+    leaves: list[Leaf]
+    metrics: dict[str, float]
+    weight_versions: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class TreeState:
+    """The branches of one growing tree, its node ids, and its generation counters."""
+
+    def __init__(self, tree_id: str) -> None:
+        self.tree_id = tree_id
+        self.branches: list[Branch] = []
+        self.next_node = 1
+        self.forks = 0
+        self.generated_tokens = 0
+        self.weight_versions: dict[str, int] = {}
+
+    def new_node(self) -> int:
+        node, self.next_node = self.next_node, self.next_node + 1
+        return node
+
+    @property
+    def turns(self) -> int:
+        """Distinct turns generated (one sandbox step each): every node but the root."""
+        return self.next_node - 1
+
+    def active(self) -> list[Branch]:
+        return [b for b in self.branches if not b.done]
+
+    def open_sandboxes(self) -> list[Branch]:
+        return [b for b in self.branches if b.sandbox is not None]
+
+    def track_versions(self, output: Any) -> None:
+        """The weight-version range of the generations (verl's server outputs carry it in ``extra_fields``)."""
+        extra = getattr(output, "extra_fields", None) or {}
+        for key, pick in (("min_global_steps", min), ("max_global_steps", max)):
+            if extra.get(key) is not None:
+                value = int(extra[key])
+                self.weight_versions[key] = pick(self.weight_versions.get(key, value), value)
+
+    def leaves(self, response_length: int, mask_failed_turns: bool) -> list[Leaf]:
+        """Every branch as a leaf, in creation order; under ``mask_failed_turns`` the failed turn gets mask 0."""
+        leaves = []
+        for leaf_id, b in enumerate(self.branches):
+            transcript, spans = b.transcript, b.transcript.turn_spans(response_length)
+            if b.failed and mask_failed_turns and spans:
+                start, end = spans[-1]
+                transcript.response_mask[start:end] = [0] * (end - start)
+            meta = LeafMeta(self.tree_id, leaf_id, tuple(b.node_path), tuple(spans), b.mass,
+                            tuple(b.turn_rewards), b.failed)
+            leaves.append(Leaf(transcript, meta, float(sum(b.turn_rewards)), b.failed, b.truncated, b.won, b.error))
+        return leaves
