@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-import verl_bpo.estimator  # noqa: F401  (registers "bpo")
+import verl_bpo.integration.estimator  # noqa: F401  (registers "bpo")
 from verl_bpo.core.leaf_meta import LeafMeta
 
 

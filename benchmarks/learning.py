@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from verl_bpo.demo import SMOKE, TASKS, DemoSettings, demo_model
+from verl_bpo.demo.cpu_demo import SMOKE, TASKS, DemoSettings, demo_model
 from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 
 ESTIMATORS = ("bpo", "grpo")

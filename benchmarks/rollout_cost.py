@@ -28,12 +28,11 @@ import statistics
 from pathlib import Path
 
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
-from verl_bpo.demo import demo_model
+from verl_bpo.demo.cpu_demo import demo_model
 from verl_bpo.platforms import cpu_launch
 
 N_LEAVES, MAX_TURNS = 8, 8
-KEYS = {"env_steps_per_leaf": "bpo/env_steps_per_leaf", "gen_tokens_per_leaf": "bpo/generated_tokens_per_leaf",
-        "wall": "timing_s/gen"}
+KEYS = ("env_steps_per_leaf", "gen_tokens_per_leaf", "wall")
 
 
 def textworld_tasks(root: Path, count: int) -> tuple[list[dict], dict]:
@@ -70,7 +69,9 @@ def run_once(model: Path, data: Path, sandbox: str, estimator: str, out: Path, t
     if result.returncode != 0 or 1 not in result.metrics:
         tail = "\n".join(result.log.splitlines()[-30:])
         raise RuntimeError(f"{sandbox}/{estimator}: exit {result.returncode}; see {out / 'console.log'}\n{tail}")
-    return {name: result.metrics[1][key] for name, key in KEYS.items()}
+    step = result.metrics[1]
+    return {"env_steps_per_leaf": step["bpo/env_steps"] / step["bpo/leaves"],
+            "gen_tokens_per_leaf": step["bpo/generated_tokens"] / step["bpo/leaves"], "wall": step["timing_s/gen"]}
 
 
 def main() -> None:

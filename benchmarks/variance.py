@@ -1,8 +1,8 @@
 """Gradient variance of BPO vs RLOO vs GRPO at matched generated turns, on two synthetic regimes.
 
-For each regime (verl_bpo.reference: ``late_variance_mdp``, ``early_variance_mdp``) and estimator, grow many
-independent trees (flat groups for RLOO/GRPO) of N leaves with the same seed, compute each tree's policy-gradient
-estimate ĝ, and report
+For each regime (verl_bpo.oracle.mdp: ``late_variance_mdp``, ``early_variance_mdp``) and estimator, grow many
+independent trees (flat groups for RLOO/GRPO) of N leaves through the production tree sampler on the tabular
+sandbox, compute each tree's policy-gradient estimate ĝ from the production credit, and report
 
     cost-matched variance = tr Cov(ĝ) × E[generated turns per tree]
 
@@ -25,29 +25,28 @@ import time
 
 import numpy as np
 
-from verl_bpo.branching import BranchingConfig, make_selector
-from verl_bpo.reference import early_variance_mdp, estimate_gradients, grow_tree, late_variance_mdp
-from verl_bpo.tree import CreditOptions
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.oracle.estimates import mean_turns, sample_trees, tree_gradients
+from verl_bpo.oracle.mdp import problem
+from verl_bpo.oracle.policy import TabularCodec
 
 N_LEAVES = 16
 ESTIMATORS = {
-    # name: (branching, credit options)
-    "bpo": (BranchingConfig(n_leaves=N_LEAVES, k0=2, k=8, selector="quantile"), CreditOptions()),
-    "rloo": (BranchingConfig(n_leaves=N_LEAVES, k0=N_LEAVES), CreditOptions()),
-    "grpo": (BranchingConfig(n_leaves=N_LEAVES, k0=N_LEAVES), CreditOptions(baseline="mean_incl_self", scale="group_std")),
+    "bpo": BPOConfig(mode="tree", k0=2, k=8, selector="quantile", score="next_token_entropy", max_turns=8),
+    "rloo": BPOConfig(mode="flat", max_turns=8),
+    "grpo": BPOConfig(mode="flat", max_turns=8, baseline="mean_incl_self", scale="group_std"),
 }
-REGIMES = {"late": late_variance_mdp, "early": early_variance_mdp}
+REGIMES = ("late", "early")
 
 
 def measure(regime: str, estimator: str, n_trees: int, seed: int) -> dict[str, float]:
-    mdp, theta = REGIMES[regime]()
-    branching, options = ESTIMATORS[estimator]
-    rng = np.random.default_rng(seed)
-    selector = make_selector(branching)
-    trees = [grow_tree(mdp, theta, branching, selector, rng, score="entropy", score_noise=0.01) for _ in range(n_trees)]
-    grads = estimate_gradients(mdp, theta, trees, options)
+    mdp, theta = problem(regime)
+    config = ESTIMATORS[estimator]
+    results = sample_trees(regime, {}, config, N_LEAVES, n_trees, seed=seed)
+    trees = [r.leaves for r in results]
+    grads = tree_gradients(theta, trees, TabularCodec(mdp), config, mdp.gamma)
     flat = grads.reshape(n_trees, -1)
-    turns = float(np.mean([t.turns for t in trees]))
+    turns = mean_turns(trees)
     mean = flat.mean(axis=0)
     trace = float(flat.var(axis=0, ddof=1).sum())
     late_turns = grads[:, 1:].reshape(n_trees, -1)  # decisions at depth >= 1
@@ -57,7 +56,7 @@ def measure(regime: str, estimator: str, n_trees: int, seed: int) -> dict[str, f
         "cost_var": trace * turns,
         "rel_var": trace * turns / float(mean @ mean),
         "depth1_cost_var": float(late_turns.var(axis=0, ddof=1).sum()) * turns,
-        "leaves": float(np.mean([len(t.parent) - len(set(t.parent) - {-1}) for t in trees])),
+        "leaves": float(np.mean([len(t) for t in trees])),
     }
 
 

@@ -35,7 +35,11 @@ bpo_recipe() {
   local args=(
     -m verl_bpo.main
     algorithm.adv_estimator="$estimator"
-    algorithm.use_kl_in_reward=False
+    # KL to the reference policy as a reward penalty: it reaches every estimator's returns the same way (BPO credits
+    # it through the tree); verl's KL loss averages leaf rows with equal weight, which biases it on a tree.
+    algorithm.use_kl_in_reward=True
+    algorithm.kl_penalty=low_var_kl
+    algorithm.kl_ctrl.kl_coef=0.001
 
     data.train_files="$DATA_DIR/train.parquet"
     data.val_files="$DATA_DIR/val.parquet"
@@ -59,9 +63,7 @@ bpo_recipe() {
     actor_rollout_ref.actor.use_dynamic_bsz=True
     actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$((2 * seq_len / SP_SIZE))
     actor_rollout_ref.actor.ulysses_sequence_parallel_size="$SP_SIZE"
-    actor_rollout_ref.actor.use_kl_loss=True
-    actor_rollout_ref.actor.kl_loss_coef=0.001
-    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.use_kl_loss=False
     actor_rollout_ref.actor.entropy_coeff=0
     # seq-mean-token-sum-norm (bpo_trainer.yaml's default, kept for the baselines too) divides by this factor; left
     # unset it is the padded width of each micro batch, which changes with dynamic batching and would rescale

@@ -13,7 +13,6 @@ from sandbox_adapters.base import (
     Snapshot,
     SnapshotKind,
     StepResult,
-    verify_determinism,
 )
 from sandbox_adapters.registry import SANDBOX_REGISTRY, get_sandbox_cls, make_sandbox, register_sandbox
 
@@ -27,7 +26,6 @@ __all__ = [
     "Snapshot",
     "SnapshotKind",
     "StepResult",
-    "verify_determinism",
     "SANDBOX_REGISTRY",
     "get_sandbox_cls",
     "make_sandbox",

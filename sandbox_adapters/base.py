@@ -26,7 +26,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-import hashlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -41,8 +40,6 @@ __all__ = [
     "SandboxTimeout",
     "RestoreFailed",
     "Sandbox",
-    "verify_determinism",
-    "observation_hash",
     "ACTION_LINE",
     "parse_text_command",
 ]
@@ -301,46 +298,3 @@ class Sandbox(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Determinism check: restore vs replay
-
-
-def observation_hash(observation: Observation) -> str:
-    """Stable hash of an observation's text, for comparing transcripts."""
-    return hashlib.sha256(observation.text.encode()).hexdigest()[:16]
-
-
-def verify_determinism(
-    make: Callable[[], Sandbox], task: Mapping[str, Any], prefix: Sequence[str], probe: Sequence[str]
-) -> None:
-    """Check that restore(snapshot) + ``probe`` equals replaying ``prefix + probe`` from reset.
-
-    Raises ``AssertionError`` naming the first step where observation, reward or done differ.
-    Only meaningful for adapters with ``deterministic = True``.
-    """
-    original, replayed = make(), make()
-    try:
-        original.reset(task)
-        for text in prefix:
-            original.step(text)
-        snap = original.snapshot()
-        forked = make()
-        try:
-            forked.restore(snap)
-            replayed.reset(task)
-            for text in prefix:
-                replayed.step(text)
-            for i, text in enumerate(probe):
-                a, b = forked.step(text), replayed.step(text)
-                same = (a.observation.text, a.reward, a.done) == (b.observation.text, b.reward, b.done)
-                assert same, f"step {i} ({text!r}): restore gave {a!r}, replay gave {b!r}"
-                if a.done:
-                    break
-        finally:
-            forked.close()
-            snap.close()
-    finally:
-        original.close()
-        replayed.close()

@@ -167,3 +167,17 @@ def test_dataset_rows_from_verl_bpo_data_drive_the_loop(tokenizer, tmp_path):
     outputs = asyncio.run(go())
     assert tokenizer.decode(outputs[0].prompt_ids).count("room") >= 1
     assert {o.extra_fields[META_KEY]["tree_id"] for o in outputs} == {"uid-d"}
+
+
+def test_the_fork_policy_persists_per_worker_across_trees_and_steps(tokenizer):
+    """quantile's threshold is learned from finished trees and carried to the next tree of the same worker, by the
+    one ForkPolicy object the worker keeps (keyed by sandbox and settings)."""
+    BPOTreeAgentLoop._policies.clear()
+    config = make_config(n=6, selector="quantile", k0=2)
+    for step, uid in enumerate(["uid-p0", "uid-p1", "uid-p2"]):
+        asyncio.run(run_sessions(config, tokenizer, n=6, uid=uid))
+        (policy,) = BPOTreeAgentLoop._policies.values()
+        assert policy.trees_finished == step + 1
+    assert math.isfinite(policy.threshold[6])  # the first tree had τ = −inf; later trees use a learned one
+    asyncio.run(run_sessions(make_config(n=6, selector="quantile", k0=3), tokenizer, n=6, uid="uid-other"))
+    assert len(BPOTreeAgentLoop._policies) == 2  # other settings, another policy

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import verl_bpo
-from verl_bpo.config import BPOConfig, sampler_config_from
-from verl_bpo.main import AGENT_LOOPS_YAML, prepare_config
+import verl_bpo.integration
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.integration.settings import AGENT_LOOPS_YAML, prepare_config, read_bpo_config, register_schema
 
-CONFIG_DIR = str(Path(verl_bpo.__file__).parent / "config")
+CONFIG_DIR = str(Path(verl_bpo.integration.__file__).parent / "config")
+register_schema()
 
 
 def compose_bpo(*overrides: str):
@@ -28,20 +29,42 @@ def test_bpo_trainer_composes_over_verls_ppo_trainer():
     bpo = prepare_config(cfg)
     assert bpo.k == 4 and bpo.sandbox.name == "textworld"
     assert cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(AGENT_LOOPS_YAML)
-    sampler = sampler_config_from(cfg.bpo, n_leaves=8, estimator="bpo", response_length=512)
-    assert sampler.branching.k == 4 and sampler.branching.root_k == 4 and sampler.response_length == 512
+    assert bpo.for_estimator("bpo").root_width(8) == 4
 
 
-def test_every_bpo_field_is_in_the_yaml_and_the_dataclass():
+def test_the_bpo_block_is_the_dataclass_schema():
+    """The yaml declares no bpo field: hydra takes the block from BPOConfig, defaults and types included."""
     cfg = compose_bpo()
-    assert BPOConfig.from_config(cfg.bpo) == BPOConfig()  # the yaml defaults are the dataclass defaults
+    assert read_bpo_config(cfg.bpo) == BPOConfig()
+    assert "bpo:" not in (Path(CONFIG_DIR) / "bpo_trainer.yaml").read_text().split("defaults:")[1].split("\n\n")[1]
+    with pytest.raises(Exception, match="kk"):
+        compose_bpo("bpo.kk=2")  # the schema is closed: a key it lacks cannot be overridden
+
+
+def test_readme_table_lists_every_bpo_field_with_its_default():
+    import dataclasses
+    import re
+
+    readme = (Path(CONFIG_DIR).parents[2] / "README.md").read_text()
+    table = readme.split("### The `bpo:` block")[1].split("\n\n")[1]
+    documented = {}
+    for line in table.splitlines()[2:]:
+        names, defaults = line.split("|")[1:3]
+        for name, default in zip(re.findall(r"`([a-z0-9_.]+)`", names), re.findall(r"`([^`]+)`", defaults)):
+            documented[name] = default
+    expected = {f.name: f.default for f in dataclasses.fields(BPOConfig) if f.name != "sandbox"}
+    expected.update({"sandbox.name": "smoke", "sandbox.config": "{}"})
+    assert set(documented) == set(expected)
+    for name, default in expected.items():
+        shown = documented[name]
+        assert shown == ("null" if default is None else str(default).lower() if isinstance(default, bool)
+                         else str(default)), (name, shown, default)
 
 
 def test_grpo_baseline_gets_flat_groups_under_auto():
     cfg = compose_bpo("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8")
-    prepare_config(cfg)
-    sampler = sampler_config_from(cfg.bpo, n_leaves=8, estimator="grpo", response_length=64)
-    assert sampler.branching.root_k == 8
+    bpo = prepare_config(cfg)
+    assert bpo.for_estimator("grpo").is_flat(8) and bpo.for_estimator("grpo").root_width(8) == 8
 
 
 @pytest.mark.parametrize(
@@ -54,9 +77,17 @@ def test_grpo_baseline_gets_flat_groups_under_auto():
          "set it to bpo_tree"),
         (["actor_rollout_ref.rollout.n=4", "bpo.mode=flat"], "use adv_estimator=rloo"),
         (["actor_rollout_ref.rollout.n=4", "+bpo.kk=2"], r"unknown bpo config key\(s\) \['kk'\]"),
+        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.use_kl_loss=True"], "use_kl_in_reward=True"),
+        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.entropy_coeff=0.01"], "entropy_coeff=0.01"),
+        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.loss_scale_factor=null"],
+         "loss_scale_factor=null"),
+        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.calculate_log_probs=False"],
+         "calculate_log_probs=False"),
+        (["actor_rollout_ref.rollout.n=4", "bpo.sandbox.name=nosuch"], r"bpo.sandbox.name='nosuch'"),
+        (["actor_rollout_ref.rollout.n=4", "+bpo.sandbox.config.unknown_key=1"], r"unknown key\(s\) \['unknown_key'\]"),
         (["actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=bpoo"], "Unknown advantage estimator"),
         (["actor_rollout_ref.rollout.n=4", "bpo.score=vibes"], "bpo.score='vibes' is not valid"),
-        (["actor_rollout_ref.rollout.n=4", "bpo.k0=9"], r"bpo.k0=9 must be in \[1, n_leaves=4\]"),
+        (["actor_rollout_ref.rollout.n=4", "bpo.k0=9"], r"bpo.k0=9 exceeds actor_rollout_ref.rollout.n=4"),
     ],
 )
 def test_bad_settings_fail_before_anything_starts(overrides, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -90,12 +91,15 @@ def test_padding_rows_get_zero_advantage():
     rewards = torch.cat([batch.token_level_rewards, batch.token_level_rewards[:1]])
     mask = torch.cat([batch.response_mask, torch.zeros_like(batch.response_mask[:1])])
     uids = np.concatenate([batch.uids, np.array(["pad0a1b"], dtype=object)])
+    # Padding rows count in verl's loss divisor, so the default scale (rows / trees) grows by one row.
+    rows = len(batch.metas)
     adv_pad, _ = compute_bpo_advantage(rewards, mask, index=uids, tree_meta=batch.metas + [batch.metas[0]])
-    torch.testing.assert_close(adv_pad[:-1], adv)
+    torch.testing.assert_close(adv_pad[:-1], adv * (rows + 1) / rows)
     assert torch.all(adv_pad[-1] == 0)
     # A padding copy that kept the real uid but has a zero mask is recognised by its duplicated metadata.
     uids_same = np.concatenate([batch.uids, batch.uids[:1]])
-    adv_dup, _ = compute_bpo_advantage(rewards, mask, index=uids_same, tree_meta=batch.metas + [batch.metas[0]])
+    adv_dup, _ = compute_bpo_advantage(rewards, mask, index=uids_same, tree_meta=batch.metas + [batch.metas[0]],
+                                       rows_per_tree=rows / 2)
     torch.testing.assert_close(adv_dup[:-1], adv)
     assert torch.all(adv_dup[-1] == 0)
 
@@ -138,3 +142,66 @@ def test_tree_split_across_two_uids_is_rejected():
     uids[0] = "some-other-uid"
     with pytest.raises(ValueError, match="one tree must be one uid group"):
         compute_bpo_advantage(batch.token_level_rewards, batch.response_mask, index=uids, tree_meta=batch.metas)
+
+
+def test_padding_copies_are_recognised_whatever_the_row_order():
+    """verl's padding copies a row with a zero mask and its metadata; the copy may come before the original."""
+    batch = leaf_batch(np.random.default_rng(13), n_trees=2, n_leaves=4)
+    adv, _ = run_bpo(batch)
+    rewards = torch.cat([batch.token_level_rewards[:1], batch.token_level_rewards])
+    mask = torch.cat([torch.zeros_like(batch.response_mask[:1]), batch.response_mask])
+    uids = np.concatenate([batch.uids[:1], batch.uids])
+    adv_first, _ = compute_bpo_advantage(rewards, mask, index=uids, tree_meta=[batch.metas[0]] + batch.metas,
+                                         rows_per_tree=len(batch.metas) / 2)
+    torch.testing.assert_close(adv_first[1:], adv)
+    assert torch.all(adv_first[0] == 0)
+
+
+def test_two_live_rows_of_one_leaf_are_rejected():
+    batch = leaf_batch(np.random.default_rng(13), n_trees=1, n_leaves=4)
+    with pytest.raises(ValueError, match="appears twice"):
+        compute_bpo_advantage(torch.cat([batch.token_level_rewards, batch.token_level_rewards[:1]]),
+                              torch.cat([batch.response_mask, batch.response_mask[:1]]),
+                              index=np.concatenate([batch.uids, batch.uids[:1]]), tree_meta=batch.metas + batch.metas[:1])
+
+
+def test_what_the_trainer_adds_to_a_rows_reward_is_credited_to_its_last_turn():
+    """verl's KL-in-reward penalty (or reward shaping) changes token_level_rewards, not the metadata: the row total
+    minus its turn rewards lands on the row's own leaf turn, so BPO optimises the same return GRPO sees."""
+    batch = leaf_batch(np.random.default_rng(17), n_trees=2, n_leaves=5, k0=2)
+    penalty = torch.zeros_like(batch.token_level_rewards)
+    penalty[batch.response_mask.bool()] = -0.01 * torch.rand(int(batch.response_mask.sum()),
+                                                             generator=torch.Generator().manual_seed(0))
+    adv, _ = run_bpo(batch)
+    adv_kl, _ = compute_bpo_advantage(batch.token_level_rewards + penalty, batch.response_mask, index=batch.uids,
+                                      tree_meta=batch.metas)
+    assert not torch.allclose(adv, adv_kl)
+    # The same as metadata whose last turn carries the penalty: an explicit per-turn reward.
+    moved = [dataclasses.replace(m, turn_rewards=m.turn_rewards[:-1] + (m.turn_rewards[-1] + float(p.sum()),))
+             for m, p in zip(batch.metas, penalty)]
+    adv_moved, _ = compute_bpo_advantage(batch.token_level_rewards + penalty, batch.response_mask, index=batch.uids,
+                                         tree_meta=moved)
+    torch.testing.assert_close(adv_kl, adv_moved)
+
+
+def test_the_advantage_scale_is_the_batch_rows_per_tree_not_each_trees_leaf_count():
+    """Two trees of unequal leaf counts: each row carries s · w · A with one s for the whole batch (rows / trees,
+    or what the trainer passes), so verl's fixed-divisor loss weighs both trees equally."""
+    small = leaf_batch(np.random.default_rng(19), n_trees=1, n_leaves=3, k0=3, flat=True, per_turn_rewards=False)
+    big = leaf_batch(np.random.default_rng(23), n_trees=1, n_leaves=7, k0=7, flat=True, per_turn_rewards=False)
+    big_metas = [dataclasses.replace(m, tree_id="big") for m in big.metas]
+    width = max(small.response_mask.shape[1], big.response_mask.shape[1])
+
+    def pad(t):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+    rewards = torch.cat([pad(small.token_level_rewards), pad(big.token_level_rewards)])
+    mask = torch.cat([pad(small.response_mask), pad(big.response_mask)])
+    uids = np.array(["a"] * 3 + ["b"] * 7, dtype=object)
+    adv, _ = compute_bpo_advantage(rewards, mask, index=uids, tree_meta=small.metas + big_metas)
+    rloo_small, _ = compute_rloo_outcome_advantage(pad(small.token_level_rewards), pad(small.response_mask),
+                                                   index=np.array(["a"] * 3, dtype=object))
+    # rows per tree = 10 / 2 = 5; a flat tree's advantage is N · w · A_rloo = A_rloo, times s / N here.
+    torch.testing.assert_close(adv[:3], rloo_small * 5 / 3, atol=1e-6, rtol=1e-6)
+    adv_8, _ = compute_bpo_advantage(rewards, mask, index=uids, tree_meta=small.metas + big_metas, rows_per_tree=8)
+    torch.testing.assert_close(adv_8, adv * 8 / 5)

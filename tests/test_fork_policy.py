@@ -94,7 +94,8 @@ def test_bad_settings_name_the_field(kwargs, field):
 
 def test_leaf_count_errors_name_verls_key():
     with pytest.raises(ValueError, match=r"bpo.k0=9 exceeds actor_rollout_ref.rollout.n=4"):
-        ForkPolicy(tree_config(k0=9)).start_tree(4)
+        tree_config(k0=9).check_leaves(4)
+    assert ForkPolicy(tree_config(k0=9)).start_tree(1).root_width == 1  # validation's single session: one episode
 
 
 def test_posthoc_score_is_flagged_as_anticipating():

@@ -90,7 +90,7 @@ def test_equal_returns_give_no_gradient_and_different_returns_do(estimator, mode
 def test_a_step_updates_the_weights_and_reports_the_rollout(model_dir):
     trainer = make_trainer(model_dir, "grpo", lr=1e-2)
     stats = trainer.step([{"task_id": 2}, {"task_id": 3}])
-    assert 0 <= stats.success_rate <= 1 and stats.env_steps_per_leaf > 0 and stats.generated_tokens_per_leaf > 0
+    assert 0 <= stats.success_rate <= 1 and stats.env_steps > 0 and stats.generated_tokens > 0 and stats.trainer_rows == 4
     assert 0 <= stats.zero_advantage_share <= 1 and stats.grad_norm >= 0
     assert trainer.updates == 1 and trainer.optimizer.state  # AdamW took its step
 

@@ -1,7 +1,7 @@
-"""The GPU recipes (recipes/<benchmark>/run_*.sh) and their data preparation (python -m verl_bpo.prepare_data).
+"""The GPU recipes (recipes/<benchmark>/run_*.sh) and their data preparation (python -m verl_bpo.data.prepare).
 
 No GPU, no Ray: each script runs with VERL_BPO_DRY_RUN=1, which prints its command one argument per line; the
-overrides are composed with hydra on verl_bpo/config/bpo_trainer.yaml and go through the same checks as
+overrides are composed with hydra on verl_bpo/integration/config/bpo_trainer.yaml and go through the same checks as
 `python -m verl_bpo.main` (prepare_config, then verl's validate_config). The prepare-data commands run end to end on
 this project's generated smoke data.
 """
@@ -21,15 +21,16 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import verl_bpo
-from verl_bpo import prepare_data
-from verl_bpo.config import sampler_config_from
+import verl_bpo.integration
+from verl_bpo.data import prepare as prepare_data
 from verl_bpo.data import sandbox_rows
-from verl_bpo.main import AGENT_LOOPS_YAML, prepare_config
+from verl_bpo.demo import cpu_demo
+from verl_bpo.integration.settings import AGENT_LOOPS_YAML, prepare_config, register_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-CONFIG_DIR = str(Path(verl_bpo.__file__).parent / "config")
+CONFIG_DIR = str(Path(verl_bpo.integration.__file__).parent / "config")
+register_schema()
 
 BENCHMARKS = {"webshop": 15, "alfworld": 50, "swebench": 30}  # benchmark -> bpo.max_turns
 MODELS = {"qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
@@ -107,11 +108,12 @@ def test_recipe_composes_validates_and_resolves_to_its_components(script):
     assert bpo.mode == "auto" and bpo.k == 2 and bpo.max_turns == BENCHMARKS[benchmark]
     assert bpo.sandbox.name == benchmark
     assert rollout.n == 8 and rollout.name == "vllm" and rollout.enable_prefix_caching
-    sampler = sampler_config_from(bpo, n_leaves=rollout.n, estimator=estimator, response_length=rollout.response_length)
-    assert sampler.branching.root_k == (2 if estimator == "bpo" else 8)  # a tree, or N independent episodes
-    assert sampler.max_turns == BENCHMARKS[benchmark]
+    resolved = bpo.for_estimator(estimator)
+    assert resolved.root_width(rollout.n) == (2 if estimator == "bpo" else 8)  # a tree, or N independent episodes
+    assert resolved.max_turns == BENCHMARKS[benchmark]
 
-    assert actor.optim.lr == 1e-6 and actor.use_kl_loss and actor.kl_loss_type == "low_var_kl"
+    assert actor.optim.lr == 1e-6 and not actor.use_kl_loss
+    assert cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "low_var_kl"
     assert cfg.actor_rollout_ref.model.path == MODELS[model_tag]
     assert list(cfg.trainer.logger) == ["console", "wandb"]
     assert cfg.trainer.project_name == f"verl_bpo_{benchmark}"
@@ -295,7 +297,7 @@ def test_swebench_generated_tasks_and_instance_files(tmp_path):
 
 def test_prepare_data_runs_as_a_module(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "verl_bpo.prepare_data", "webshop", "--out", str(tmp_path), "--generate", "6",
+        [sys.executable, "-m", "verl_bpo.data.prepare", "webshop", "--out", str(tmp_path), "--generate", "6",
          "--engine", "fake", "--train-goals", "2:6", "--val-goals", "0:2"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
@@ -306,8 +308,8 @@ def test_prepare_data_runs_as_a_module(tmp_path):
 
 def test_the_cpu_demo_runs_compose_and_differ_only_in_the_estimator(tmp_path):
     from sandbox_adapters.registry import make_sandbox
-    from verl_bpo import demo
 
+    demo = cpu_demo
     settings = demo.DemoSettings()
     configs = {e: flat(compose_recipe(demo.run_overrides(e, tmp_path / "model", tmp_path / "train.parquet",
                                                          tmp_path / "out", 12, settings)))

@@ -59,7 +59,7 @@ def test_bpo_trains_on_trees_and_grpo_on_flat_groups_through_verl_bpo_main(setup
         assert bpo[step]["bpo/forks"] >= 1 and grpo[step]["bpo/forks"] == 0
         assert "bpo/sibling_groups" in bpo[step] and "bpo/snapshot_ms" in bpo[step]
     # Shared prefixes: the trees generated fewer turns than flat groups of the same N leaves.
-    assert sum(bpo[s]["bpo/turns"] for s in (1, 2)) < sum(grpo[s]["bpo/turns"] for s in (1, 2))
+    assert sum(bpo[s]["bpo/env_steps"] for s in (1, 2)) < sum(grpo[s]["bpo/env_steps"] for s in (1, 2))
     for name, metrics in (("bpo", bpo), ("grpo", grpo)):
         advantages = [max(abs(metrics[s]["critic/advantages/max"]), abs(metrics[s]["critic/advantages/min"]))
                       for s in (1, 2)]

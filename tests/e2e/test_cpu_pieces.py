@@ -150,11 +150,13 @@ def test_cpu_env(base):
 def test_cpu_overrides_compose_with_the_bpo_trainer_config(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    import verl_bpo
+    import verl_bpo.integration
+    from verl_bpo.integration.settings import register_schema
 
+    register_schema()
     overrides = cpu_launch.cpu_overrides("/m", "/d.parquet", "/d.parquet", output_dir=tmp_path, adv_estimator="bpo",
                                          n=4, batch_size=1)
-    config_dir = Path(verl_bpo.__file__).parent / "config"
+    config_dir = Path(verl_bpo.integration.__file__).parent / "config"
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         cfg = compose("bpo_trainer", overrides=[o for o in overrides if not o.startswith("hydra.")])
     assert cfg.algorithm.adv_estimator == "bpo" and cfg.actor_rollout_ref.rollout.n == 4

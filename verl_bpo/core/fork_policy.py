@@ -85,7 +85,6 @@ class TreePlan:
     """The fork decisions of one tree (made by :meth:`ForkPolicy.start_tree`; read by the tree sampler)."""
 
     def __init__(self, config: BPOConfig, n_leaves: int, threshold: float) -> None:
-        config.check_leaves(n_leaves)
         self.config = config
         self.n_leaves = n_leaves
         self.root_width = config.root_width(n_leaves)
