@@ -12,7 +12,7 @@ and prints a table with the medians, then, as the last stdout line, exactly one 
     {"<adapter>": {"snap_restore_over_step": <median(snapshot)+median(restore) / median(step)>,
                    "replay_over_restore": <median(replay) / median(restore)>}, ...}
 
-Targets (research/sandboxes.md): ``snap_restore_over_step`` <= 0.5 for textworld, <= 1 for alfworld.
+Targets: ``snap_restore_over_step`` <= 0.5 for textworld, <= 1 for alfworld.
 
 Adding an adapter: decorate a function ``(work_dir, quick) -> Case`` with ``@case("<name>", requires=(modules))``.
 Adapters whose required modules are missing are skipped with a note on stderr.

