@@ -43,7 +43,7 @@ def textworld_tasks(root: Path, count: int) -> tuple[list[dict], dict]:
 
 
 def alfworld_tasks(root: Path, count: int) -> tuple[list[dict], dict]:
-    from sandbox_adapters.alfworld_gen import TASK_TYPES, find_games, generate_games, write_problems
+    from sandbox_adapters.alfworld.gen import TASK_TYPES, find_games, generate_games, write_problems
 
     data_dir = root / "alfworld_data"
     if not find_games(str(data_dir / "json_2.1.1" / "train")):

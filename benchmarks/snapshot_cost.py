@@ -107,7 +107,7 @@ def _textworld(work_dir: Path, quick: bool) -> Case:
 @case("alfworld", requires=("alfworld", "fast_downward", "textworld"))
 def _alfworld(work_dir: Path, quick: bool) -> Case:
     from sandbox_adapters.alfworld import ALFWorldSandbox, game_walkthrough
-    from sandbox_adapters.alfworld_gen import generate_games, write_problems
+    from sandbox_adapters.alfworld.gen import generate_games, write_problems
 
     # full runs use ALFWorld-sized kitchens: 12 cabinets + 12 drawers + 6 other receptacles, 16 objects
     cabinets, distractors = (1, 3) if quick else (12, 14)
@@ -127,7 +127,7 @@ def _alfworld(work_dir: Path, quick: bool) -> Case:
 
 
 def _swebench_case(work_dir: Path, backend: str) -> Case:
-    from sandbox_adapters.swe_tasks import generate_tasks
+    from sandbox_adapters.swebench.tasks import generate_tasks
     from sandbox_adapters.swebench import SWEBenchSandbox
 
     out = work_dir / f"swebench-{backend}"
@@ -144,7 +144,7 @@ def _swebench_case(work_dir: Path, backend: str) -> Case:
 
 @case("swebench", requires=("swebench",))
 def _swebench(work_dir: Path, quick: bool) -> Case:
-    from sandbox_adapters.swe_workspace import overlay_supported
+    from sandbox_adapters.swebench.workspace import overlay_supported
 
     return _swebench_case(work_dir, "overlay" if overlay_supported() else "memory")
 
@@ -157,7 +157,7 @@ def _swebench_memory(work_dir: Path, quick: bool) -> Case:
 @case("webshop")
 def _webshop(work_dir: Path, quick: bool) -> Case:
     from sandbox_adapters.webshop import WebShopSandbox
-    from sandbox_adapters.webshop_data import generate_catalogue
+    from sandbox_adapters.webshop.data import generate_catalogue
 
     generate_catalogue(str(work_dir / "webshop"), num=30)
     config = WebShopSandbox.Config(engine="fake", data_dir=str(work_dir / "webshop"))
@@ -165,7 +165,7 @@ def _webshop(work_dir: Path, quick: bool) -> Case:
     query = goal["instruction_text"].split(",")[0].removeprefix("i am looking for ")
     prefix = [f"search[{query}]", f"click[{goal['asin']}]", f"click[{goal['goal_options'][0]}]"]
     return Case(lambda: WebShopSandbox(config), {"goal_index": 0}, prefix, f"click[{goal['goal_options'][1]}]",
-                "FAKE engine (webshop_fake), 30 products; the real web_agent_site needs a user checkout")
+                "FAKE engine (webshop.fake), 30 products; the real web_agent_site needs a user checkout")
 
 
 def _timed(fn: Callable[[], Any]) -> float:

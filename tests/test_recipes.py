@@ -222,7 +222,7 @@ def test_webshop_generated_catalogue_with_the_labelled_fake(tmp_path):
 
 
 def test_webshop_without_the_real_engine_never_falls_back_to_the_fake(tmp_path, monkeypatch):
-    from sandbox_adapters.webshop_data import generate_catalogue
+    from sandbox_adapters.webshop.data import generate_catalogue
 
     monkeypatch.delenv("WEBSHOP_ROOT", raising=False)
     data = tmp_path / "catalogue"

@@ -14,10 +14,10 @@ import time
 import pytest
 
 from sandbox_adapters.registry import make_sandbox
-from sandbox_adapters.swe_confine import bwrap_path
-from sandbox_adapters.swe_grading import swebench_available
-from sandbox_adapters.swe_tasks import BUG_KINDS, generate_tasks
-from sandbox_adapters.swe_workspace import overlay_supported
+from sandbox_adapters.swebench.confine import bwrap_path
+from sandbox_adapters.swebench.grading import swebench_available
+from sandbox_adapters.swebench.tasks import BUG_KINDS, generate_tasks
+from sandbox_adapters.swebench.workspace import overlay_supported
 from tests.sandboxes.conformance import SandboxConformance
 
 pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed (apt-get install "
@@ -274,7 +274,7 @@ def test_a_dropped_sandbox_cleans_up_after_itself(tasks, tmp_path, monkeypatch, 
 
 
 def test_memory_restore_undoes_adversarial_changes_in_place(tmp_path):
-    from sandbox_adapters.swe_workspace import _read_tree, _scan, _sync_tree
+    from sandbox_adapters.swebench.workspace import _read_tree, _scan, _sync_tree
 
     ws = tmp_path / "ws"
     (ws / "d" / "e").mkdir(parents=True)
@@ -347,7 +347,7 @@ def test_overlay_flattens_deep_stacks_exactly(tasks):
 def test_generated_instances_load_with_swebench(tasks, tmp_path):
     from swebench.harness.utils import load_swebench_dataset
 
-    from sandbox_adapters.swe_tasks import load_tasks
+    from sandbox_adapters.swebench.tasks import load_tasks
 
     out = tmp_path / "again"
     generate_tasks(str(out), num=len(BUG_KINDS), seed=0)

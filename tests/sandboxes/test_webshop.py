@@ -3,7 +3,7 @@
 The real ``web_agent_site`` is not installable from any registry (the PyPI ``webshop`` is broken), so CI runs
 the adapter against ``FakeWebAgentTextEnv``. ``TestWebShopRealConformance`` runs the same suite on the real engine
 when ``WEBSHOP_ROOT`` points at a princeton-nlp/WebShop checkout whose requirements (pyserini + Java >= 21, spaCy
-model, torch, flask, selenium, thefuzz) are installed; ``sandbox_adapters/webshop.py`` lists a set-up that passed.
+model, torch, flask, selenium, thefuzz) are installed; ``sandbox_adapters/webshop/sandbox.py`` lists a set-up that passed.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from sandbox_adapters.base import SandboxCrashed
 from sandbox_adapters.registry import make_sandbox
 from sandbox_adapters.webshop import WebShopSandbox, WebShopUnavailable, parse_webshop_action
-from sandbox_adapters.webshop_data import FILES, generate_catalogue
-from sandbox_adapters.webshop_fake import FakeWebAgentTextEnv
+from sandbox_adapters.webshop.data import FILES, generate_catalogue
+from sandbox_adapters.webshop.fake import FakeWebAgentTextEnv
 from tests.sandboxes.conformance import SandboxConformance
 
 WEBSHOP_ROOT = os.environ.get("WEBSHOP_ROOT")
@@ -234,7 +234,7 @@ def test_configuration_errors_name_the_fix(data_dir, tmp_path, monkeypatch):
     sandbox = make_sandbox("webshop", {"engine": "fake", "data_dir": data_dir})
     assert type(sandbox) is WebShopSandbox
     sandbox.close()
-    with pytest.raises(WebShopUnavailable, match="webshop_data"):
+    with pytest.raises(WebShopUnavailable, match="webshop.data"):
         WebShopSandbox(WebShopSandbox.Config(engine="fake", data_dir=str(tmp_path)))
     monkeypatch.delenv("WEBSHOP_ROOT", raising=False)
     with pytest.raises(WebShopUnavailable, match="WEBSHOP_ROOT"):

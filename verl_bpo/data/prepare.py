@@ -84,7 +84,7 @@ def _webshop_plan(args: argparse.Namespace) -> Plan:
     notes = []
     data_dir = args.data_dir
     if args.generate:
-        from sandbox_adapters.webshop_data import generate_catalogue
+        from sandbox_adapters.webshop.data import generate_catalogue
 
         data_dir = data_dir or os.path.join(args.out, "source")
         generate_catalogue(data_dir, num=args.generate, seed=args.seed)
@@ -138,7 +138,7 @@ def _alfworld_args(parser: argparse.ArgumentParser) -> None:
 
 def _alfworld_plan(args: argparse.Namespace) -> Plan:
     from sandbox_adapters.alfworld import resolve_games_dir
-    from sandbox_adapters.alfworld_gen import TASK_TYPES, find_games, generate_games, write_problems
+    from sandbox_adapters.alfworld.gen import TASK_TYPES, find_games, generate_games, write_problems
 
     task_types = tuple(args.task_types or TASK_TYPES)
     notes = []
@@ -173,7 +173,7 @@ def _swebench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _swebench_plan(args: argparse.Namespace) -> Plan:
-    from sandbox_adapters.swe_tasks import generate_tasks, load_tasks
+    from sandbox_adapters.swebench.tasks import generate_tasks, load_tasks
 
     notes, tasks = [], {}
     for split in SPLITS:

