@@ -45,6 +45,7 @@ class Case:
     problem_args: dict
     bpo: dict
     n: int = 7
+    sessions: int | None = None  # agent-loop sessions per task (the trainer's __rollout_n__); default n
     fail_prob: float = 0.0
     gamma: float = 1.0
     loss_agg_mode: str = "seq-mean-token-sum"
@@ -119,7 +120,7 @@ def grow_batch(case: Case, tokenizer, client: TabularPolicy, first_uid: int) -> 
 
     async def run_all():
         uids = [f"u{first_uid + j}" for j in range(case.batch_trees)]
-        tasks = [[asyncio.create_task(session(uid, i)) for i in range(case.n)] for uid in uids]
+        tasks = [[asyncio.create_task(session(uid, i)) for i in range(case.sessions or case.n)] for uid in uids]
         return [(uid, await asyncio.gather(*ts)) for uid, ts in zip(uids, tasks)]
 
     return asyncio.run(run_all())

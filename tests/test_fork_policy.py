@@ -26,10 +26,10 @@ def test_budget_fills_exactly_n_leaves_and_shortens_the_last_fork():
     plan = ForkPolicy(tree_config(k=3, k0=2)).start_tree(7)
     assert plan.root_width == 2 and plan.leaves_left == 5 and plan.forks_wanted == 3
     for expected in ([3], [3], [2]):
-        widths = plan.widths([1.0])
+        widths = plan.widths([view()], [1.0])
         assert widths == expected
-        plan.spend(widths[0])
-    assert plan.leaves_left == 0 and plan.widths([9.0]) == [1]
+        plan.record_fork(widths[0])
+    assert plan.leaves_left == 0 and plan.widths([view()], [9.0]) == [1]
     with pytest.raises(ValueError, match="does not fit"):
         ForkBudget(4, 2).spend(4)
 
@@ -57,21 +57,21 @@ def test_eligibility_limits(limits, node, ok):
 
 def test_top_b_wave_ranks_within_the_budget_and_the_wave_cap():
     plan = ForkPolicy(tree_config(k=2, k0=2, max_forks_per_wave=2)).start_tree(5)
-    assert plan.widths([0.1, 0.9, 0.5, 0.7]) == [1, 2, 1, 2]  # best two; the budget (3 leaves) would allow three
+    assert plan.widths([view()] * 4, [0.1, 0.9, 0.5, 0.7]) == [1, 2, 1, 2]  # best two; the budget would allow 3
     plan = ForkPolicy(tree_config(k=3, k0=2)).start_tree(4)
-    assert plan.widths([0.2, 0.3]) == [1, 3]  # one fork of 3 fills the 2 leaves left
+    assert plan.widths([view()] * 2, [0.2, 0.3]) == [1, 3]  # one fork of 3 fills the 2 leaves left
 
 
 def test_quantile_threshold_persists_across_trees_and_learns_only_from_finished_ones():
     policy = ForkPolicy(tree_config(k=2, k0=2, selector="quantile"))
     first = policy.start_tree(4)
     assert first.threshold == -math.inf  # nothing seen yet: fork the first eligible nodes
-    first.widths([float(s) for s in range(10)])  # 2 forks wanted among 10 candidates: the top 20%
+    first.widths([view()] * 10, [float(s) for s in range(10)])  # 2 forks wanted among 10 candidates: the top 20%
     second = policy.start_tree(4)  # started before the first finished: still the old threshold
     policy.finish_tree(first)
     assert second.threshold == -math.inf and 7.0 < policy.threshold[4] < 8.0
     third = policy.start_tree(4)
-    assert third.widths([1.0, 9.0, 3.0, 8.5, 9.5]) == [1, 2, 1, 2, 1]  # arrival order, above τ, within budget
+    assert third.widths([view()] * 5, [1.0, 9.0, 3.0, 8.5, 9.5]) == [1, 2, 1, 2, 1]  # in order, above τ, in budget
     assert policy.start_tree(6).threshold == -math.inf  # kept per leaf count
 
 

@@ -56,6 +56,13 @@ CASES = {
     "unbalanced-failures": Case(
         "unbalanced-failures", "random", {"seed": 1, "stop_prob": 0.3, "horizon": 4},
         {"mode": "tree", "k": 2, "k0": 2, "max_turns": 4}, n=12, fail_prob=0.05),
+    # The learned allocation under a turn budget: widths from the profile, trees with more leaves than rollout.n
+    # (one agent-loop session per leaf, up to max_leaves), exploration trees, budgets shared when paths end early.
+    "learned-turn-budget-failures": Case(
+        "learned-turn-budget-failures", "random", {"seed": 1, "stop_prob": 0.3, "horizon": 4},
+        {"mode": "tree", "allocation": "learned", "budget": "turns", "max_leaves": 16, "max_turns": 4,
+         "warmup_trees": 64, "explore_share": 0.2},
+        n=6, sessions=16, fail_prob=0.05),
     # A node's own kept turn decides its fork, on an MDP where rare (surprising) actions fail.
     "posthoc": Case(
         "posthoc", "rare_actions_fail", {"seed": 0, "horizon": 4, "uncertain_bad_state": False},
@@ -123,6 +130,7 @@ def _leaf(extra: dict, prompt: torch.Tensor, response: torch.Tensor, mask: torch
     ("gamma1-topB-failures", "realised_leaves"),
     ("gamma0.9-quantile-probe-failures", None),
     ("unbalanced-failures", "uniform_leaf_weights"),
+    ("learned-turn-budget-failures", None),
 ])
 def test_production_gradient_is_unbiased_and_its_negative_control_is_caught(name, control, tokenizer):
     case = CASES[name]
@@ -132,7 +140,10 @@ def test_production_gradient_is_unbiased_and_its_negative_control_is_caught(name
     truth = case.exact()
     z = z_scores(grads, truth)
     leaves = np.concatenate([b.leaves_per_tree for b in batches])
-    assert leaves.mean() < case.n - 0.3, "the case must under-fill trees"
+    if case.sessions:  # a turn budget: trees of any leaf count, more than rollout.n too
+        assert leaves.max() > case.n and leaves.min() < case.n, np.bincount(leaves)
+    else:
+        assert leaves.mean() < case.n - 0.3, "the case must under-fill trees"
     bound = bonferroni(z.size)
     print(f"{name}: {TREES} trees, max |z| = {np.abs(z).max():.2f} (bound {bound:.2f}, {z.size} coordinates)")
     assert np.abs(z).max() < bound, f"{name}: max |z| = {np.abs(z).max():.2f} over {z.size} coordinates"

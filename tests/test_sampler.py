@@ -241,9 +241,10 @@ class RecordingPolicy(ForkPolicy):
         super().__init__(config)
         self.llm, self.decided_at, self.declared = llm, {}, {}
 
-    def start_tree(self, n_leaves):
-        plan = super().start_tree(n_leaves)
+    def start_tree(self, n_leaves, seed=0):
+        plan = super().start_tree(n_leaves, seed)
         self.decided_at, self.declared = {}, {}  # per tree: node ids and histories repeat across trees
+        self.root_width = plan.root_width
         eligible, widths = plan.eligible, plan.widths
         pending = []
 
@@ -252,8 +253,8 @@ class RecordingPolicy(ForkPolicy):
             pending.append(view)
             return eligible(view)
 
-        def record_widths(scores):
-            out = widths(scores)
+        def record_widths(views, scores):
+            out = widths(views, scores)
             eligible_views = [v for v in pending if is_eligible(v, self.config)]
             self.declared.update({v.node_id: w for v, w in zip(eligible_views, out)})
             pending.clear()
@@ -263,12 +264,16 @@ class RecordingPolicy(ForkPolicy):
         return plan
 
 
-@pytest.mark.parametrize("score,anticipates", [("parent_turn_surprisal", False), ("kept_turn_surprisal", True)])
-def test_T8_no_child_is_drawn_before_its_nodes_fork_decision(score, anticipates):
+@pytest.mark.parametrize("rule,anticipates", [("parent_turn_surprisal", False), ("kept_turn_surprisal", True),
+                                               ("learned", False)])
+def test_T8_no_child_is_drawn_before_its_nodes_fork_decision(rule, anticipates):
     """An instrumented run of the production sampler: every turn drawn from a node's history comes after that
     node's fork decision; the posthoc ablation, which draws the kept turn first, is caught by the same check.
-    The root forks into K0 and every branch node has the width its plan declared."""
-    config = BPOConfig(mode="tree", k=2, k0=3, max_turns=6, score=score)
+    The root forks into its planned K0 and every branch node has the width its plan declared."""
+    if rule == "learned":
+        config = BPOConfig(mode="tree", allocation="learned", max_turns=6, warmup_trees=5, explore_share=0.2)
+    else:
+        config = BPOConfig(mode="tree", k=2, k0=3, max_turns=6, score=rule)
     llm = ScriptedLLM(0)
     llm.prompts = []
     generate = llm.generate
@@ -288,7 +293,7 @@ def test_T8_no_child_is_drawn_before_its_nodes_fork_decision(score, anticipates)
                  if prompt in policy.decided_at and call < policy.decided_at[prompt]]
         rows = leaf_rows(result)
         k = rows.forest.num_children
-        assert k[0] == 3  # the root is a branch node of K0 children
+        assert k[0] == policy.root_width >= 2  # the root is a branch node of K0 children
         node_of = {}  # forest index -> sampler node id
         for leaf, node in zip(result.leaves, rows.leaf_node):
             index = node

@@ -16,6 +16,8 @@ __all__ = [
     "BPOConfig",
     "SandboxSpec",
     "MODES",
+    "ALLOCATIONS",
+    "BUDGETS",
     "SCORES",
     "SELECTORS",
     "TREE_ESTIMATORS",
@@ -23,6 +25,8 @@ __all__ = [
 ]
 
 MODES = ("auto", "tree", "flat")
+ALLOCATIONS = ("fixed", "learned")
+BUDGETS = ("leaves", "turns", "tokens")
 SCORES = ("parent_turn_surprisal", "probe_surprisal", "next_token_entropy", "kept_turn_surprisal")
 ANTICIPATING_SCORES = frozenset({"kept_turn_surprisal"})
 SELECTORS = ("topB_wave", "quantile")
@@ -52,9 +56,25 @@ class SandboxSpec:
 class BPOConfig:
     """Branching Policy Optimization settings (``bpo.<field>=...`` on the command line).
 
-    Tree shape (N leaves per task is ``actor_rollout_ref.rollout.n``):
+    Tree shape (N = ``actor_rollout_ref.rollout.n``, the rollouts a flat group would take):
         mode: ``auto`` (default): a tree when ``algorithm.adv_estimator=bpo``, flat groups (N independent rollouts
             through the same sampler) for every other estimator; ``tree`` or ``flat`` force one.
+        allocation: how fork widths are chosen. ``fixed`` (default): a root fork of ``k0`` and forks of ``k`` placed
+            by ``selector`` on ``score``, exactly N leaves. ``learned``: every width (the root's included, up to all
+            of the budget, where the tree becomes RLOO) follows a profile of where return variance is injected,
+            learned from earlier finished trees (``verl_bpo.core.profile``); the first ``warmup_trees`` trees and an
+            ``explore_share`` of later ones take a fixed, score-independent exploration shape.
+        budget: what a ``learned`` tree may spend. ``turns`` (the default under ``learned``): the generated turns
+            N flat rollouts of this task would take (estimated from earlier trees); ``tokens``: their generated
+            tokens; ``leaves``: exactly N leaves. A ``fixed`` tree always has the ``leaves`` budget.
+        max_leaves: the most leaves a turn- or token-budget tree may grow (the sessions verl runs per task, so
+            the trainer's rows per task at most); ``null`` (default) = 4 · N.
+        warmup_trees: trees of exploration shape before the profile decides (``learned``). Default 32.
+        explore_share: share of later trees grown with the exploration shape, so a profile that went flat can
+            still notice when training moves the decisive turns. Default 0.05.
+        profile_prior: κ, the share of a depth's injected variance credited one depth earlier (returns cannot tell
+            where the decisive action's expected gradient changes; this is a prior). Default 0.1.
+        profile_window: trees after which an observation's weight in the profile falls to 1/e. Default 500.
         k: children per fork below the root, K. Default 2.
         k0: children of the root fork, K0; ``null`` = ``k``. ``k0 = rollout.n`` with no later fork is RLOO.
         score: fork score, higher = fork. ``parent_turn_surprisal`` (default; mean surprisal of the turn that led
@@ -91,6 +111,13 @@ class BPOConfig:
     """
 
     mode: str = "auto"
+    allocation: str = "fixed"
+    budget: Optional[str] = None
+    max_leaves: Optional[int] = None
+    warmup_trees: int = 32
+    explore_share: float = 0.05
+    profile_prior: float = 0.1
+    profile_window: int = 500
     k: int = 2
     k0: Optional[int] = None
     score: str = "parent_turn_surprisal"
@@ -113,12 +140,27 @@ class BPOConfig:
     def __post_init__(self) -> None:
         if isinstance(self.sandbox, Mapping):
             self.sandbox = SandboxSpec(**self.sandbox)
-        for field, allowed in (("mode", MODES), ("score", SCORES), ("selector", SELECTORS),
+        if self.budget is None:
+            self.budget = "turns" if self.allocation == "learned" else "leaves"
+        for field, allowed in (("mode", MODES), ("allocation", ALLOCATIONS), ("budget", BUDGETS),
+                               ("score", SCORES), ("selector", SELECTORS),
                                ("baseline", BASELINES), ("scale", SCALES),
                                ("discount_weighting", DISCOUNT_WEIGHTINGS)):
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"bpo.{field}={value!r} is not valid; use one of {list(allowed)}")
+        if self.allocation == "fixed" and self.budget != "leaves":
+            raise ValueError(f"bpo.budget={self.budget} needs bpo.allocation=learned; the fixed rule grows exactly "
+                             "N leaves (bpo.budget=leaves)")
+        if not 0.0 <= self.explore_share <= 1.0:
+            raise ValueError(f"bpo.explore_share={self.explore_share} must be in [0, 1]")
+        for field in ("warmup_trees", "profile_prior"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"bpo.{field}={getattr(self, field)} must be >= 0")
+        if self.profile_window < 1:
+            raise ValueError(f"bpo.profile_window={self.profile_window} must be >= 1")
+        if self.max_leaves is not None and self.max_leaves < 2:
+            raise ValueError(f"bpo.max_leaves={self.max_leaves} must be >= 2 (or null for 4 x rollout.n)")
         if self.k < 2:
             raise ValueError(f"bpo.k={self.k} must be >= 2: a fork has at least two children")
         if self.k0 is not None and self.k0 < 1:
@@ -178,6 +220,12 @@ class BPOConfig:
             return n_leaves
         return min(self.k if self.k0 is None else self.k0, n_leaves)
 
+    def leaf_cap(self, n_leaves: int) -> int:
+        """The most leaves a tree grows: N under the leaf budget (and in flat mode), else ``max_leaves``."""
+        if self.mode == "flat" or self.budget == "leaves":
+            return n_leaves
+        return self.max_leaves if self.max_leaves is not None else 4 * n_leaves
+
     def check_leaves(self, n_leaves: int) -> None:
         """Errors about N name verl's key, since that is where users set it."""
         if n_leaves < 1:
@@ -185,6 +233,9 @@ class BPOConfig:
         if self.mode != "flat" and self.k0 is not None and self.k0 > n_leaves:
             raise ValueError(f"bpo.k0={self.k0} exceeds {ROLLOUT_N}={n_leaves}, the leaves per tree; "
                              f"set bpo.k0 <= {n_leaves}")
+        if self.mode != "flat" and self.budget != "leaves" and self.leaf_cap(n_leaves) < n_leaves:
+            raise ValueError(f"bpo.max_leaves={self.max_leaves} is below {ROLLOUT_N}={n_leaves}; a turn or token "
+                             f"budget needs room for at least N leaves")
 
     @property
     def anticipating(self) -> bool:

@@ -1,43 +1,55 @@
-"""Where a tree forks: the non-anticipating fork rule, its limits, the leaf budget and the selectors.
+"""Where a tree forks and how wide: the non-anticipating fork rule, its limits, the budgets, and the plans.
 
 **Invariant (non-anticipation).** Whether node v forks, and into how many children, may depend only on what is
-known before v's children are sampled: v's own history, discarded probes, other subtrees, earlier trees. A fork
-score therefore reads a frozen :class:`NodeView` of the node alone. Under that invariant the choice of rule changes
-efficiency, never bias: each child is a fresh sample of the node's action and transitions, so the tree's Monte
-Carlo value at every node is unbiased (backward induction on depth), and the mass ``Π 1/K`` of a leaf makes the
-tree's score-function sum an unbiased estimate of the policy gradient. Scoring a node by its own kept turn (the
-posthoc fork of ARPO, arXiv:2507.19849, and TreeRL, arXiv:2506.11902) breaks it and is offered as an ablation only.
+known before v's children are sampled: v's own history and budget, discarded probes, other subtrees, earlier
+trees, fresh randomness. A decision therefore reads a frozen :class:`NodeView` of the node alone. Under that
+invariant the choice of rule changes efficiency, never bias: each child is a fresh sample of the node's action
+and transitions, so the tree's Monte Carlo value at every node is unbiased (backward induction on depth), and the
+mass ``Π 1/K`` of a leaf makes the tree's score-function sum an unbiased estimate of the policy gradient. Scoring a
+node by its own kept turn (the posthoc fork of ARPO, arXiv:2507.19849, and TreeRL, arXiv:2506.11902) breaks it and
+is offered as an ablation only.
 
 Objects, from the longest-lived down:
 
 * :class:`ForkPolicy` — one per agent-loop worker and tree setting. It persists across trees and training steps
-  and learns only from trees that have finished (the ``quantile`` threshold).
-* :class:`TreePlan` — one per tree, made by :meth:`ForkPolicy.start_tree`: the root width, the leaf budget, and
-  the fork widths of each wave's candidates.
+  and learns only from finished trees: the ``quantile`` threshold, the :class:`~verl_bpo.core.profile.DepthProfile`.
+* A *plan*, one per tree, made by :meth:`ForkPolicy.start_tree`, read by the tree sampler:
 
-Selectors: ``topB_wave`` ranks a wave's candidates by score and forks the best within the budget and
-``max_forks_per_wave``; ``quantile`` forks a candidate whose score reaches τ, the (1 − ρ) quantile of the previous
-finished tree's candidate scores, ρ chosen so the expected forks match the budget (τ = −∞ before any tree).
-Limits (AEPO-style, arXiv:2510.14545): ``min_depth``, ``max_forks_per_path``, ``cooldown`` turns after a fork,
-and at least one turn of horizon left.
+  - :class:`FixedPlan` (``bpo.allocation=fixed``): a root fork of K0, then forks of K within exactly N leaves,
+    placed by a selector on a fork score. ``topB_wave`` ranks a wave's candidates and forks the best within the
+    budget and ``max_forks_per_wave``; ``quantile`` forks a candidate whose score reaches τ, the (1 − ρ) quantile of
+    the previous finished tree's candidate scores (ρ = forks the budget allows / candidates seen; τ = −∞ at first).
+  - :class:`AllocationPlan` (``learned``): every node holds a budget (turns, tokens, or leaves) and takes the width
+    the learned profile gives it (budgeted Neyman allocation: children ∝ √(variance injected at that depth / cost));
+    when nothing below a node injects variance it does not fork, so a task decided by its first move gets K0 = N,
+    exactly RLOO.
+  - :class:`ExplorePlan` (``learned``, warm-up and ``explore_share``): K0 = N/2 root paths, each forking once into 2
+    at a depth drawn uniformly, independent of any score; its leaf pairs teach the profile where outcomes split.
+
+Budgets flow down the tree: a fork splits its node's budget among its children, a turn spends its cost, and what a
+path leaves unspent when its episode ends is shared among the branches still running (the shape of a subtree may
+depend on other subtrees, never on its own children). Limits (AEPO-style, arXiv:2510.14545): ``min_depth``,
+``max_forks_per_path``, ``cooldown`` turns after a fork, and at least one turn of horizon left.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.profile import DepthProfile, TreeRecord
 
-__all__ = ["NodeView", "ForkBudget", "is_eligible", "TreePlan", "ForkPolicy"]
+__all__ = ["NodeView", "is_eligible", "ForkBudget", "FixedPlan", "AllocationPlan", "ExplorePlan", "ForkPolicy"]
 
 
 @dataclasses.dataclass(frozen=True)
 class NodeView:
-    """The only thing a fork decision may read: a node's own history, never anything below it.
+    """The only thing a fork decision may read: a node's own history and budget, never anything below it.
 
     Attributes:
         node_id: the node's id within its tree.
@@ -47,6 +59,7 @@ class NodeView:
         forks_on_path: forks on the path from the root to here, the root fork excluded.
         turns_since_fork: turns since the last fork on this path (the root counts as a fork).
         horizon_left: turns the path may still take (``bpo.max_turns`` minus depth).
+        budget: what the node's subtree may still spend (``learned`` plans; ``None`` for the fixed rule).
     """
 
     node_id: int
@@ -56,6 +69,7 @@ class NodeView:
     forks_on_path: int
     turns_since_fork: int
     horizon_left: int
+    budget: float | None = None
 
 
 def is_eligible(view: NodeView, config: BPOConfig) -> bool:
@@ -81,27 +95,66 @@ class ForkBudget:
         self.leaves_left -= children - 1
 
 
-class TreePlan:
-    """The fork decisions of one tree (made by :meth:`ForkPolicy.start_tree`; read by the tree sampler)."""
+class _Plan:
+    """What every plan offers the sampler (budgets are ``None`` when a plan keeps none)."""
+
+    unit = "leaves"  # what budgets count: leaves, turns or tokens
+    uses_scores = True  # the sampler scores candidates only for plans that read the scores
+    explore = False
+
+    def __init__(self, config: BPOConfig, n_leaves: int) -> None:
+        self.config, self.n_leaves = config, n_leaves
+        self.scores: list[float] = []
+        self.root_width = config.root_width(n_leaves)
+        self.root_budget: float | None = None
+
+    def eligible(self, view: NodeView) -> bool:
+        return is_eligible(view, self.config)
+
+    def split(self, budget: float | None, branches: int) -> list[float | None]:
+        """The budgets of a fork's ``branches`` (the original included)."""
+        return [None] * branches
+
+    def spend(self, budget: float | None, cost: float) -> float | None:
+        """A branch's budget after a turn of ``cost``."""
+        return budget
+
+    def release(self, budget: float | None) -> None:
+        """A branch ended holding ``budget``."""
+
+    def share(self, budgets: Sequence[float | None]) -> list[float | None]:
+        """The running branches' budgets with what ended branches left unspent shared among them."""
+        return list(budgets)
+
+    def record_fork(self, branches: int) -> None:
+        """A fork of ``branches`` (fewer than planned when restores failed) was made."""
+
+    @property
+    def leaves_left(self) -> float:
+        return 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+class FixedPlan(_Plan):
+    """The fixed rule: a root fork of K0, then forks of K placed by the selector within exactly N leaves."""
 
     def __init__(self, config: BPOConfig, n_leaves: int, threshold: float) -> None:
-        self.config = config
-        self.n_leaves = n_leaves
-        self.root_width = config.root_width(n_leaves)
+        super().__init__(config, n_leaves)
         self.budget = ForkBudget(n_leaves, self.root_width)
         self.forks_wanted = math.ceil(self.budget.leaves_left / (config.k - 1))  # forks of K the budget allows
         self.threshold = threshold  # quantile's τ, fixed for the tree when it starts
-        self.scores: list[float] = []  # every candidate's score, in decision order
 
     @property
-    def leaves_left(self) -> int:
-        return self.budget.leaves_left
+    def leaves_left(self) -> float:
+        return float(self.budget.leaves_left)
 
     def eligible(self, view: NodeView) -> bool:
         """Candidates are scored even once the budget is spent: ``quantile`` learns ρ from all of them."""
         return is_eligible(view, self.config)
 
-    def widths(self, scores: Sequence[float]) -> list[int]:
+    def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         """Children for each of a wave's eligible candidates (1 = no fork), within the leaves left.
 
         Only the candidates' own scores are read, and every width is decided before any child is drawn.
@@ -122,16 +175,150 @@ class TreePlan:
             room -= widths[i] - 1
         return widths
 
-    def spend(self, children: int) -> None:
-        """A fork of ``children`` was made (fewer than planned when restores failed)."""
-        self.budget.spend(children)
+    def record_fork(self, branches: int) -> None:
+        self.budget.spend(branches)
+
+
+class _BudgetedPlan(_Plan):
+    """Budget bookkeeping shared by the learned plans: per-branch budgets, a pool of what ended branches left,
+    and the leaf cap (the sessions verl runs for the task)."""
+
+    uses_scores = False
+
+    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:
+        super().__init__(config, n_leaves)
+        self.unit = config.budget
+        self.rng = rng
+        self.cap = config.leaf_cap(n_leaves)
+        self.per_rollout = 1.0 if self.unit == "leaves" else profile.episode_cost(self.unit)
+        self.root_budget = n_leaves * self.per_rollout
+        self.pool = 0.0
+        self.branches = 0
+        self.spent = 0.0
+
+    def split(self, budget: float | None, branches: int) -> list[float | None]:
+        if self.unit != "leaves":
+            return [budget / branches] * branches
+        whole = int(round(budget))
+        return [float(whole // branches + (i < whole % branches)) for i in range(branches)]
+
+    def spend(self, budget: float | None, cost: float) -> float | None:
+        if self.unit == "leaves":
+            return budget
+        self.spent += cost
+        return budget - cost
+
+    def release(self, budget: float | None) -> None:
+        self.pool += max((budget or 0.0) - (1.0 if self.unit == "leaves" else 0.0), 0.0)
+
+    def share(self, budgets: Sequence[float | None]) -> list[float | None]:
+        if not budgets or self.pool <= 0:
+            return list(budgets)
+        if self.unit == "leaves":
+            extra = self.split(self.pool, len(budgets))
+        else:
+            extra = [self.pool / len(budgets)] * len(budgets)
+        self.pool = 0.0 if self.unit != "leaves" else self.pool - sum(extra)
+        return [b + e for b, e in zip(budgets, extra)]
+
+    def record_fork(self, branches: int) -> None:
+        self.branches += branches - 1
+
+    @property
+    def room(self) -> int:
+        """Branches the leaf cap still allows."""
+        return self.cap - self.branches
+
+    @property
+    def leaves_left(self) -> float:
+        return self.pool
+
+    def stochastic_round(self, x: float) -> int:
+        base = math.floor(x)
+        return base + (self.rng.random() < x - base)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"bpo/budget": float(self.root_budget or 0.0), "bpo/explore_tree": float(self.explore)}
+        if self.unit != "leaves":
+            out["bpo/budget_spent"] = self.spent
+        return out
+
+
+class AllocationPlan(_BudgetedPlan):
+    """Budgeted Neyman allocation on the learned profile (``bpo.allocation=learned``).
+
+    A node at depth d holding budget b gets K = stochastic_round(x) children, clamped to [1, b / C_d] (C_d: the
+    expected cost of a path from d to its end; the root at least 2), with
+
+        turns, tokens:  x = b · √(D_d / c_d) / Σ_{j≥d} √(D_j c_j)     (minimises Σ_j D_j / n_j at cost Σ_j n_j c_j = b)
+        leaves:         x = b · √(D_d / max_{j≥d} D_j)                (n_j ∝ √D_j with b leaves at the deepest level)
+
+    where D is the non-decreasing allocation weight of :class:`~verl_bpo.core.profile.DepthProfile` and c_j the cost
+    of a depth-j turn. Under the model, variance × cost = (Σ_j √(D_j c_j))² ≤ (Σ c_j)(Σ D_j), RLOO's value
+    (Cauchy-Schwarz), with equality only for the flat tree: the allocation cannot lose to RLOO and becomes it when
+    the root decides everything.
+    """
+
+    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:
+        super().__init__(config, n_leaves, profile, rng)
+        self.weight = profile.weights()
+        self.cost = profile.turn_cost(self.unit)
+        self.cost_left = np.array([profile.cost_left(d, self.unit) for d in range(config.max_turns)])
+        self.root_width = min(self.cap, max(2, self._width(0, self.root_budget)))
+        self.branches = self.root_width
+
+    def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
+        widths = []
+        for view in views:
+            room = self.room - sum(w - 1 for w in widths)
+            widths.append(min(self._width(view.depth, view.budget), room + 1) if room > 0 else 1)
+        return widths
+
+    def _width(self, depth: int, budget: float | None) -> int:
+        if budget is None or depth >= len(self.weight):
+            return 1
+        weight = self.weight[depth:]
+        if weight.sum() <= 0:
+            # Nothing below injects variance (or nothing is known yet): independent paths, all the budget affords.
+            x = budget / self.cost_left[depth] if self.unit != "leaves" else budget
+            return max(1, min(self.cap, int(x)))
+        if self.unit == "leaves":
+            x = budget * math.sqrt(weight[0] / weight.max())
+            high = budget
+        else:
+            cost = self.cost[depth:]
+            x = budget * math.sqrt(weight[0] / cost[0]) / float(np.sqrt(weight * cost).sum())
+            high = budget / self.cost_left[depth]
+        return max(1, self.stochastic_round(min(max(x, 1.0), max(high, 1.0))))
+
+
+class ExplorePlan(_BudgetedPlan):
+    """The exploration shape: max(2, N/2) root paths, each forking once into 2 at a depth drawn uniformly from
+    [1, max_turns − 1] (a fork hazard of 1 / (max_turns − depth) at each depth), independent of any score."""
+
+    explore = True
+
+    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:
+        super().__init__(config, n_leaves, profile, rng)
+        self.root_width = min(self.cap, max(2, n_leaves // 2))
+        self.branches = self.root_width
+        self.extra_leaves = (n_leaves - self.root_width) if self.unit == "leaves" else self.root_width
+
+    def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
+        widths = []
+        for view in views:
+            fork = (view.forks_on_path == 0 and self.extra_leaves > 0 and self.room - sum(w - 1 for w in widths) > 0
+                    and self.rng.random() < 1.0 / max(self.config.max_turns - view.depth, 1))
+            widths.append(2 if fork else 1)
+            self.extra_leaves -= fork
+        return widths
 
 
 class ForkPolicy:
     """Decides the shape of every tree one agent-loop worker grows, and learns across them.
 
-    Persistent state is updated by :meth:`finish_tree` only, from a tree whose growth is over; a tree reads the
-    state once, when :meth:`start_tree` makes its plan. Both keep the fork rule non-anticipating.
+    Persistent state (the ``quantile`` threshold, the depth profile) is updated by :meth:`finish_tree` only, from
+    a tree whose growth is over; a tree reads it once, when :meth:`start_tree` makes its plan.
     """
 
     def __init__(self, config: BPOConfig) -> None:
@@ -139,16 +326,35 @@ class ForkPolicy:
             raise ValueError("resolve bpo.mode=auto with BPOConfig.for_estimator() before building a ForkPolicy")
         self.config = config
         self.threshold: dict[int, float] = {}  # quantile τ per leaf count N, from the last finished tree
+        self.profile = DepthProfile(config.max_turns, config.profile_prior, config.profile_window)
+        self.trees_started = 0
         self.trees_finished = 0
 
-    def start_tree(self, n_leaves: int) -> TreePlan:
-        return TreePlan(self.config, n_leaves, self.threshold.get(n_leaves, -math.inf))
+    @property
+    def learned(self) -> bool:
+        return self.config.mode == "tree" and self.config.allocation == "learned"
 
-    def finish_tree(self, plan: TreePlan) -> None:
-        """Learn from a finished tree: ρ = forks the budget allowed / candidates seen; τ = their (1 − ρ) quantile."""
+    def start_tree(self, n_leaves: int, seed: int = 0) -> _Plan:
+        """The plan of a tree of N = ``n_leaves``; ``seed`` drives its random choices (exploration, rounding)."""
+        self.trees_started += 1
+        if not self.learned or self.config.is_flat(n_leaves):
+            return FixedPlan(self.config, n_leaves, self.threshold.get(n_leaves, -math.inf))
+        rng = random.Random(seed)
+        explore = self.trees_started <= self.config.warmup_trees or rng.random() < self.config.explore_share
+        cls = ExplorePlan if explore else AllocationPlan
+        return cls(self.config, n_leaves, self.profile, rng)
+
+    def finish_tree(self, plan: _Plan, record: TreeRecord | None = None) -> None:
+        """Learn from a finished tree: the quantile threshold (fixed rule) or the depth profile (learned)."""
         self.trees_finished += 1
-        if self.config.selector != "quantile" or not plan.scores:
+        if isinstance(plan, FixedPlan):
+            if self.config.selector == "quantile" and plan.scores:
+                rate = min(1.0, plan.forks_wanted / len(plan.scores))
+                self.threshold[plan.n_leaves] = (-math.inf if rate >= 1.0 else
+                                                 float(np.quantile(np.asarray(plan.scores), 1.0 - rate)))
             return
-        rate = min(1.0, plan.forks_wanted / len(plan.scores))
-        threshold = -math.inf if rate >= 1.0 else float(np.quantile(np.asarray(plan.scores), 1.0 - rate))
-        self.threshold[plan.n_leaves] = threshold
+        if record is not None:
+            self.profile.update(dataclasses.replace(record, explore=plan.explore))
+
+    def metrics(self) -> dict[str, float]:
+        return self.profile.metrics() if self.learned else {}

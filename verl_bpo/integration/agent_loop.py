@@ -9,7 +9,10 @@ Session 0's arrival creates the uid's tree; every session awaits it and returns 
 
 The number of sessions is counted, not configured: every session of a uid registers before the tree starts
 (``_run_prompt`` creates all n tasks before any runs), so validation (``val_kwargs.n``, often 1) gets plain
-independent episodes and training gets the configured tree. The sandbox and its task come from the dataset row:
+independent episodes and training gets the configured tree. A tree whose budget is turns or tokens may grow more
+leaves than ``rollout.n``: the BPO trainer then runs ``bpo.max_leaves`` sessions per task (verl's
+``__rollout_n__``), the tree's N stays ``rollout.n`` (the flat rollouts whose cost it matches), it grows at most
+one leaf per session, and the sessions left over return no output. The sandbox and its task come from the dataset row:
 ``extra_info.sandbox`` (``{"name": ..., "config": {...}}`` or its JSON, default ``bpo.sandbox``) and
 ``extra_info.task`` (a mapping or its JSON); ``verl_bpo.data`` writes such rows.
 
@@ -131,6 +134,10 @@ class BPOTreeAgentLoop(AgentLoopBase):
             await asyncio.sleep(0)
         bpo = BPOConfig.from_mapping(_python(self.config.get("bpo") or {}))
         config = bpo.for_estimator(self.config.algorithm.adv_estimator)
+        sessions = len(entry.sessions)
+        n_leaves = min(self.rollout_config.n, sessions)
+        if sessions > n_leaves:  # a turn- or token-budget tree: one session per leaf it may grow
+            config = dataclasses.replace(config, max_leaves=sessions)
         extra = dict(row.get("extra_info") or {})
         sandbox_spec = _plain(extra.get("sandbox") or dataclasses.asdict(bpo.sandbox))
         name, sandbox_config = sandbox_spec["name"], sandbox_spec.get("config") or {}
@@ -138,7 +145,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
         if not isinstance(task, Mapping):
             raise ValueError(f"extra_info.task of uid {uid} must be a mapping (or its JSON), got {type(task).__name__}")
         sampler = TreeSampler(
-            config, len(entry.sessions), self.rollout_config.response_length,
+            config, n_leaves, self.rollout_config.response_length,
             lambda: make_sandbox(name, sandbox_config), task, self.server_manager, self.make_codec(),
             # str hash() is salted per process; crc32 makes the sandbox seeds a pure function of the uid.
             tree_id=uid, sampling_params=sampling_params, policy=self.fork_policy(name, config),

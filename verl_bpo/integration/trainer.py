@@ -3,6 +3,8 @@
 ``BPOTrainer`` is verl's own ``PPOTrainerSync`` (``trainer_mode=sync``, unchanged semantics). It always logs the
 per-tree ``bpo/...`` metrics the agent loop returns. For ``algorithm.adv_estimator=bpo`` it also:
 
+* gives each task ``bpo.max_leaves`` agent-loop sessions when its tree's budget is turns or tokens (verl's
+  ``__rollout_n__``: such a tree may grow more leaves than ``rollout.n``, one per session);
 * runs verl's advantage code inside :func:`~verl_bpo.integration.estimator.tree_call_context`, so the registered
   estimator sees each row's tree metadata and the batch's rows per tree;
 * pads the batch so it splits into ``train_batch_size / ppo_mini_batch_size`` equal mini-batches, and gives the
@@ -23,6 +25,7 @@ from pprint import pprint
 from typing import Any
 
 import ray
+import torch
 import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ, PPOTrainerSync
@@ -33,6 +36,7 @@ from verl_bpo.core.leaf_meta import META_KEY, is_padding_uid
 from verl_bpo.integration.agent_loop import TREE_METRICS_KEY
 from verl_bpo.integration.batch_layout import batch_multiple, minibatch_rows, rows_per_tree
 from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
+from verl_bpo.integration.settings import read_bpo_config
 
 __all__ = ["BPOTrainer", "BPOTaskRunner", "tree_metrics", "batch_tree_call", "column"]
 
@@ -82,6 +86,14 @@ class BPOTrainer(PPOTrainerSync):
     @property
     def _minibatches(self) -> int:
         return self.config.data.train_batch_size // self.config.actor_rollout_ref.actor.ppo_mini_batch_size
+
+    def _submit_batch_to_rollout(self, batch) -> int:
+        if self._trees_bpo:
+            rollout_n = self.config.actor_rollout_ref.rollout.n
+            config = read_bpo_config(self.config.get("bpo")).for_estimator(ESTIMATOR_NAME)
+            if config.leaf_cap(rollout_n) > rollout_n:
+                batch["__rollout_n__"] = torch.full((len(batch),), config.leaf_cap(rollout_n), dtype=torch.int64)
+        return super()._submit_batch_to_rollout(batch)
 
     def _get_required_batch_multiple(self, dp_size: int) -> int:
         multiple = super()._get_required_batch_multiple(dp_size)

@@ -161,12 +161,14 @@ def late_variance_mdp(horizon: int = 8, n_actions: int = 3, confidence: float = 
     return TabularMDP(transition, reward, success), _confident_logits(horizon, n_actions, confidence, horizon - 1)
 
 
-def early_variance_mdp(horizon: int = 8, n_actions: int = 3, confidence: float = 0.97) -> tuple[TabularMDP, np.ndarray]:
+def early_variance_mdp(horizon: int = 8, n_actions: int = 3, confidence: float = 0.97, good: float = 0.9,
+                       bad: float = 0.1) -> tuple[TabularMDP, np.ndarray]:
     """Most return variance comes from the first decision.
 
     The first action picks the outcome for good (action 0 → outcome 1, any other → outcome 0); later actions
-    change nothing; success has probability 0.9 in outcome 1 and 0.1 in outcome 0. The policy is uniform on
-    the first turn and confident afterwards.
+    change nothing; success has probability ``good`` in outcome 1 and ``bad`` in outcome 0 (drawn on the last
+    turn: with 1 and 0 the first move decides everything). The policy is uniform on the first turn and confident
+    afterwards.
     """
     X = 2
     transition = np.zeros((horizon, X, n_actions, X))
@@ -176,7 +178,7 @@ def early_variance_mdp(horizon: int = 8, n_actions: int = 3, confidence: float =
         transition[1:, x, :, x] = 1.0
     reward = np.zeros((horizon, X, n_actions, X))
     success = np.zeros((X, n_actions, X))
-    success[:, :, 1], success[:, :, 0] = 0.9, 0.1
+    success[:, :, 1], success[:, :, 0] = good, bad
     return TabularMDP(transition, reward, success), _confident_logits(horizon, n_actions, confidence, 0)
 
 

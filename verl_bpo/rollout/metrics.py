@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from verl_bpo.core.fork_policy import TreePlan
+from typing import Any
 from verl_bpo.rollout.tree_state import Leaf, TreeState
 
 __all__ = ["tree_metrics"]
 
 
-def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: TreePlan,
+def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
                  seconds: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """``plan``: the tree's plan from :meth:`~verl_bpo.core.fork_policy.ForkPolicy.start_tree`."""
     rows = max(len(leaves), 1)
     children: dict[int, set[int]] = {}
     for leaf in leaves:
@@ -44,6 +45,7 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: TreePlan,
         "bpo/mean_segment_turns": state.turns / segments,
         "bpo/leaf_depth": sum(leaf.meta.num_turns for leaf in leaves) / rows,
     }
+    metrics.update(plan.metrics())
     if plan.scores:
         metrics["bpo/score_mean"] = sum(plan.scores) / len(plan.scores)
         metrics["bpo/score_max"] = max(plan.scores)

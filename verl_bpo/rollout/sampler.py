@@ -1,12 +1,18 @@
 """TreeSampler: grows one BPO tree for one task, against a Sandbox and an LLM client.
 
-The root is a fork of K0 (K0 = N with no later fork is *flat mode*: N independent rollouts through the same code,
-the GRPO/RLOO baseline). Then the tree grows in waves; in each wave every live branch stands on a fresh node:
+The worker's :class:`~verl_bpo.core.fork_policy.ForkPolicy` gives the tree its plan. The root is a fork of K0
+(K0 = N with no later fork is *flat mode*: N independent rollouts through the same code, the GRPO/RLOO baseline).
+Then the tree grows in waves; in each wave every live branch stands on a fresh node:
 
-  1. **decide** — every eligible node is scored from a frozen view of its own history, and the tree's
-     :class:`~verl_bpo.core.fork_policy.TreePlan` gives each a width; a node of width K ≥ 2 is forked: its sandbox
-     is snapshotted once, K − 1 fresh sandboxes are restored from it (each re-seeded), the transcript is copied;
-  2. **act** — every branch (the original included) samples a fresh turn and steps its sandbox, all concurrently.
+  1. **decide** — every eligible node is read from a frozen view of its own history and budget (and scored, for
+     plans that use a fork score), and the plan gives each a width; a node of width K ≥ 2 is forked: its sandbox is
+     snapshotted once, K − 1 fresh sandboxes are restored from it (each re-seeded), the transcript is copied, and
+     the node's budget is split among the K branches;
+  2. **act** — every branch (the original included) samples a fresh turn, spends its cost, and steps its sandbox,
+     all concurrently. What a branch leaves unspent when its episode ends is shared among the branches still
+     running at the next wave.
+
+When the tree is done the policy learns from it (the profile of a learned allocation).
 
 One request id per tree gives the LLM server sticky routing, so siblings hit the same prefix cache. A sandbox that
 crashes, hangs past ``bpo.step_timeout_s`` or fails to restore ends its own leaf, never the tree; a sandbox that
@@ -28,7 +34,7 @@ from typing import Any
 
 from sandbox_adapters.base import Observation, Sandbox, Snapshot
 from verl_bpo.core.config import BPOConfig
-from verl_bpo.core.fork_policy import ForkPolicy, TreePlan
+from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.rollout.metrics import tree_metrics
 from verl_bpo.rollout.protocols import ChatCodec, LLMClient, Transcript
 from verl_bpo.rollout.sandbox_calls import SandboxCalls
@@ -91,35 +97,52 @@ class TreeSampler:
 
     # --- the tree, top to bottom --------------------------------------------------------------------------------
     async def run(self) -> TreeResult:
-        plan = self.policy.start_tree(self.n_leaves)
+        self.plan = plan = self.policy.start_tree(self.n_leaves, seed=self.rng.randrange(2**31))
         try:
             started = await self._start_episode()
             if isinstance(started, _Unstarted):
-                return await self._unstarted_tree(plan, started)
+                return await self._unstarted_tree(started)
             root = await self._root_branch(*started)
+            root.budget = plan.root_budget
             self.tree.branches = [root, *await self._fork(root, plan.root_width)]
+            self._split_budget(self.tree.branches)
             while active := self.tree.active():
+                for branch, budget in zip(active, plan.share([b.budget for b in active])):
+                    branch.budget = budget
                 if self.config.anticipating:  # the biased ablation draws the kept turn before deciding
                     await asyncio.gather(*(self._draw_pending(b) for b in active))
-                await self._decide(plan, [b for b in active if b.node != 0])
-                await asyncio.gather(*(self._act(b) for b in self.tree.active()))
+                await self._decide([b for b in active if b.node != 0])
+                await asyncio.gather(*(self._act(b) for b in active))
+                for branch in active:
+                    if branch.done:
+                        plan.release(branch.budget)
         finally:
             await asyncio.gather(*(self._close(b) for b in self.tree.open_sandboxes()))
-        self.policy.finish_tree(plan)
-        return self._result(plan)
+        self.policy.finish_tree(plan, self.tree.record())
+        return self._result()
 
-    async def _decide(self, plan: TreePlan, branches: list[Branch]) -> None:
-        """Score every eligible node from its own frozen view, then fork the ones the plan widens."""
+    async def _decide(self, branches: list[Branch]) -> None:
+        """Read every eligible node from its own frozen view, then fork the ones the plan widens."""
+        plan = self.plan
         views = [(b, b.view(self.config.max_turns)) for b in branches]
         candidates = [(b, v) for b, v in views if plan.eligible(v)]
-        scores = await asyncio.gather(*(self.scorer(b, v) for b, v in candidates))
-        for (branch, _), width in zip(candidates, plan.widths(list(scores))):
+        if plan.uses_scores:
+            scores = list(await asyncio.gather(*(self.scorer(b, v) for b, v in candidates)))
+        else:
+            scores = [0.0] * len(candidates)
+        for (branch, _), width in zip(candidates, plan.widths([v for _, v in candidates], scores)):
             if width >= 2:
                 children = await self._fork(branch, width)
                 if children:
-                    plan.spend(1 + len(children))
+                    plan.record_fork(1 + len(children))
                     self.tree.forks += 1
                     self.tree.branches.extend(children)
+                    self._split_budget([branch, *children])
+
+    def _split_budget(self, siblings: list[Branch]) -> None:
+        """A fork's budget, split among its branches (the original included)."""
+        for branch, budget in zip(siblings, self.plan.split(siblings[0].budget, len(siblings))):
+            branch.budget = budget
 
     # --- episode start ------------------------------------------------------------------------------------------
     async def _start_episode(self) -> tuple[Sandbox, Observation] | _Unstarted:
@@ -146,7 +169,7 @@ class TreeSampler:
         prompt_ids = await self.codec.start(messages)
         return Branch(0, box, Transcript(messages, list(prompt_ids), len(prompt_ids)), [0], [], 1.0)
 
-    async def _unstarted_tree(self, plan: TreePlan, unstarted: _Unstarted) -> TreeResult:
+    async def _unstarted_tree(self, unstarted: _Unstarted) -> TreeResult:
         """N failed leaves when the episode never started, so verl's uid group stays whole (a group with no
         trajectories stops verl's training step). Each leaf is one empty turn: its response is a mask-0 note, its
         reward 0, and all leaves are flat siblings, so every advantage in the group is 0."""
@@ -163,7 +186,7 @@ class TreeSampler:
             branch = Branch(node, None, base.copy(), [0, node], [0.0], 1.0 / n, depth=1)
             branch.done, branch.failed, branch.error = True, True, note
             self.tree.branches.append(branch)
-        result = self._result(plan)
+        result = self._result()
         result.metrics["bpo/reset_failures"] = 1.0
         result.metrics["bpo/unspent_leaf_budget"] = 0.0
         return result
@@ -220,12 +243,12 @@ class TreeSampler:
         """One turn: generate (or take the pending draw), step the sandbox, append the observation."""
         token_ids, log_probs = branch.pending if branch.pending is not None else await self._generate(branch)
         branch.pending = None
-        self.tree.generated_tokens += len(token_ids)
+        branch.budget = self.plan.spend(branch.budget, len(token_ids) if self.plan.unit == "tokens" else 1.0)
         transcript = branch.transcript
         text = await self.codec.add_assistant(transcript, token_ids, log_probs)
         # The codec appends the generated tokens last (it may add or trim boundary tokens before them).
         transcript.turn_starts.append(len(transcript.response_mask) - len(token_ids))
-        node = self.tree.new_node()
+        node = self.tree.new_turn(token_ids, log_probs)
         branch.node, branch.depth, branch.since_fork = node, branch.depth + 1, branch.since_fork + 1
         branch.node_path.append(node)
         branch.last_turn_surprisal = mean_surprisal(log_probs)
@@ -254,7 +277,8 @@ class TreeSampler:
             await self.calls.close(sandbox)
 
     # --- result -------------------------------------------------------------------------------------------------
-    def _result(self, plan: TreePlan) -> TreeResult:
+    def _result(self) -> TreeResult:
         leaves = self.tree.leaves(self.response_length, self.config.mask_failed_turns)
-        metrics = tree_metrics(self.tree, leaves, plan, self.calls.seconds)
+        metrics = tree_metrics(self.tree, leaves, self.plan, self.calls.seconds)
+        metrics.update(self.policy.metrics())
         return TreeResult(leaves, metrics, dict(self.tree.weight_versions))

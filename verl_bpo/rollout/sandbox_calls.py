@@ -1,23 +1,24 @@
 """Every call the tree sampler makes into a sandbox: off the event loop, under a time limit, timed.
 
-Sandbox engines are synchronous (a text game, a subprocess, a container); they run on worker threads so that the
-many branches of many trees on one event loop step concurrently. Engines that are not thread-safe
+Sandbox engines are synchronous (a text game, a subprocess, a container); each call runs on a thread of its own so
+that the many branches of many trees on one event loop step concurrently. Engines that are not thread-safe
 (``Sandbox.thread_safe = False``: TextWorld's shared grammar parser) run one call of their class at a time.
 Engines that declare ``Sandbox.blocking = False`` (pure in-process state that steps in microseconds and cannot
 hang: the smoke corridor, the tabular oracle) are called on the event loop directly.
 
-The time limit (``bpo.step_timeout_s``) starts when the call starts running, not while it waits for a thread or
-for its engine's lock, so a busy worker never turns a slow queue into failed leaves. A call that runs past it
-raises :class:`~sandbox_adapters.base.SandboxTimeout`, which fails one leaf; its sandbox is quarantined (never
-called again, closed without waiting) and, for a serialised engine class, the class gets a fresh lock, so a call
-that never returns cannot hold every later tree.
+The time limit (``bpo.step_timeout_s``) starts when the call starts running, not while it waits for its engine's
+lock, so a busy worker never turns a slow queue into failed leaves. A call that runs past it raises
+:class:`~sandbox_adapters.base.SandboxTimeout`, which fails one leaf; its sandbox is quarantined (never called
+again, and closed on a thread of its own without waiting, which for process-backed sandboxes kills the hung
+command) and, for a serialised engine class, the class gets a fresh lock, so a call that never returns cannot
+hold every later tree. Calls run on daemon threads rather than a pool: a hung call holds only its own thread, never
+a pool slot that later calls need, and never keeps the process from exiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -32,9 +33,6 @@ __all__ = ["SandboxCalls"]
 
 logger = logging.getLogger(__name__)
 
-# Sandbox calls block on engines, subprocesses and containers: a pool of their own, so that they never queue
-# behind (or starve) the event loop's default executor, and hung calls do not exhaust it.
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=128, thread_name_prefix="bpo-sandbox")
 _ENGINE_LOCKS: dict[type, threading.Lock] = {}
 _ENGINE_LOCKS_GUARD = threading.Lock()
 
@@ -44,10 +42,13 @@ def _engine_lock(cls: type) -> threading.Lock:
         return _ENGINE_LOCKS.setdefault(cls, threading.Lock())
 
 
-def _replace_engine_lock(cls: type, hung: threading.Lock) -> None:
+def _replace_engine_lock(cls: type, hung: threading.Lock) -> bool:
+    """A fresh lock for ``cls`` if ``hung`` is still its lock; True when this call replaced it."""
     with _ENGINE_LOCKS_GUARD:
         if _ENGINE_LOCKS.get(cls) is hung:
             _ENGINE_LOCKS[cls] = threading.Lock()
+            return True
+        return False
 
 
 class SandboxCalls:
@@ -60,8 +61,10 @@ class SandboxCalls:
 
     async def __call__(self, kind: str, sandbox: Sandbox, method: str, *args: Any) -> Any:
         """``sandbox.<method>(*args)``; ``kind`` names the timing (reset, step, snapshot, restore, close)."""
+        name = f"{type(sandbox).__name__}.{method}"
         if sandbox in self._quarantined:
-            raise SandboxTimeout(f"{type(sandbox).__name__} is quarantined after a call that hung")
+            raise SandboxTimeout(f"{name} was not called: this sandbox is quarantined after an earlier call ran "
+                                 f"past bpo.step_timeout_s={self.timeout_s:g}")
         fn: Callable[..., Any] = getattr(sandbox, method)
         if not type(sandbox).blocking:  # microsecond in-process engines: a thread hop would cost 100x the call
             begin = time.perf_counter()
@@ -71,44 +74,60 @@ class SandboxCalls:
                 self.seconds[kind].append(time.perf_counter() - begin)
         serialised = not type(sandbox).thread_safe
         loop = asyncio.get_running_loop()
-        started = loop.create_future()
+        started, done = loop.create_future(), loop.create_future()
         held: list[threading.Lock] = []
-        elapsed: list[float] = []
+        clock: dict[str, float] = {"queued": time.perf_counter()}
 
-        def run() -> Any:
-            with _holding(type(sandbox), held) if serialised else contextlib.nullcontext():
-                loop.call_soon_threadsafe(_set_if_pending, started, None)
-                begin = time.perf_counter()
-                try:
-                    return fn(*args)
-                finally:
-                    elapsed.append(time.perf_counter() - begin)
+        def run() -> None:
+            try:
+                with _holding(type(sandbox), held) if serialised else contextlib.nullcontext():
+                    clock["began"] = time.perf_counter()
+                    loop.call_soon_threadsafe(_resolve, started, None, None)
+                    try:
+                        value, error = fn(*args), None
+                    except BaseException as exc:  # handed to the awaiting coroutine
+                        value, error = None, exc
+                    finally:
+                        clock["ended"] = time.perf_counter()
+            except BaseException as exc:  # the lock itself failed
+                value, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(_resolve, done, value, error)
 
-        done = loop.run_in_executor(_POOL, run)
+        # a call that outlives its timeout may still fail later, when nobody awaits it: mark that as seen
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        threading.Thread(target=run, name=f"bpo-sandbox-{kind}", daemon=True).start()
         try:
             await asyncio.wait({started, done}, return_when=asyncio.FIRST_COMPLETED)
             return await asyncio.wait_for(asyncio.shield(done), self.timeout_s)
         except asyncio.TimeoutError:
-            self._quarantine(sandbox, held[0] if held else None)
+            waited = clock.get("began", clock["queued"]) - clock["queued"]
+            fresh_lock = self._quarantine(sandbox, held[0] if held else None)
             raise SandboxTimeout(
-                f"{type(sandbox).__name__}.{method} ran for {self.timeout_s:g} s without returning "
-                "(bpo.step_timeout_s); the sandbox is quarantined and this leaf ends"
+                f"{name} ran for {self.timeout_s:g} s without returning (bpo.step_timeout_s={self.timeout_s:g}; "
+                f"counted from when it started, after {waited:.2f} s waiting"
+                f"{' for its engine lock' if serialised else ''}). The sandbox is quarantined: it is closed on a "
+                "thread of its own and never called again"
+                f"{', and later calls of its class get a fresh engine lock' if fresh_lock else ''}; this leaf ends."
             ) from None
         finally:
             if not started.done():
                 started.cancel()
-            self.seconds[kind].append(elapsed[0] if elapsed else self.timeout_s)
+            if "ended" in clock:
+                self.seconds[kind].append(clock["ended"] - clock["began"])
+            else:
+                self.seconds[kind].append(self.timeout_s)
 
-    def _quarantine(self, sandbox: Sandbox, lock: threading.Lock | None) -> None:
+    def _quarantine(self, sandbox: Sandbox, lock: threading.Lock | None) -> bool:
         self._quarantined.add(sandbox)
-        if lock is not None:
-            _replace_engine_lock(type(sandbox), lock)
+        return lock is not None and _replace_engine_lock(type(sandbox), lock)
 
     async def close(self, sandbox: Sandbox) -> None:
         """Close ``sandbox``, best effort (the leaf is already final). A quarantined sandbox is closed on its own
         thread without waiting: its hung call may never return."""
         if sandbox in self._quarantined:
-            threading.Thread(target=_close_quietly, args=(sandbox,), daemon=True).start()
+            threading.Thread(target=_close_quietly, args=(sandbox,), name="bpo-sandbox-quarantine",
+                             daemon=True).start()
             return
         try:
             await self("close", sandbox, "close")
@@ -131,8 +150,12 @@ def _holding(cls: type, held: list[threading.Lock]) -> Iterator[None]:
         lock.release()
 
 
-def _set_if_pending(future: asyncio.Future, value: None) -> None:
-    if not future.done():
+def _resolve(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
         future.set_result(value)
 
 

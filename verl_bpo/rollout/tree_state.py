@@ -9,11 +9,13 @@ included, then samples a fresh turn. A finished branch is a *leaf*: its transcri
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from sandbox_adapters.base import Sandbox
 from verl_bpo.core.fork_policy import NodeView
 from verl_bpo.core.leaf_meta import LeafMeta
+from verl_bpo.core.profile import TreeRecord
 from verl_bpo.rollout.protocols import Transcript
 
 __all__ = ["Branch", "Leaf", "TreeResult", "TreeState"]
@@ -35,6 +37,7 @@ class Branch:
         since_fork: turns since the last fork on the path (the root counts as one).
         last_turn_surprisal: mean −log π of the turn that led to ``node``.
         pending: the kept turn drawn before the fork decision (the biased ``kept_turn_surprisal`` ablation only).
+        budget: what the branch's subtree may still spend (learned plans; ``None`` under the fixed rule).
         done, failed, truncated, won: how the branch ended (``failed``: its last step crashed or hung).
         error: a short description of the failure, if any.
     """
@@ -50,6 +53,7 @@ class Branch:
     since_fork: int = 0
     last_turn_surprisal: float | None = None
     pending: tuple[list[int], list[float]] | None = None
+    budget: float | None = None
     done: bool = False
     failed: bool = False
     truncated: bool = False
@@ -60,7 +64,7 @@ class Branch:
         """The frozen view of the branch's node: all a fork decision may read."""
         return NodeView(node_id=self.node, depth=self.depth, history=tuple(self.transcript.token_ids),
                         parent_turn_surprisal=self.last_turn_surprisal, forks_on_path=self.forks,
-                        turns_since_fork=self.since_fork, horizon_left=max_turns - self.depth)
+                        turns_since_fork=self.since_fork, horizon_left=max_turns - self.depth, budget=self.budget)
 
     def copy_into(self, sandbox: Sandbox) -> Branch:
         """A sibling at the same node: its own sandbox and transcript, the same history."""
@@ -116,10 +120,26 @@ class TreeState:
         self.forks = 0
         self.generated_tokens = 0
         self.weight_versions: dict[str, int] = {}
+        self.turn_tokens: dict[int, float] = {}  # per node: the tokens of the turn into it
+        self.turn_uncertainty: dict[int, float] = {}  # per node: mean over its turn's tokens of 1 − p(token)
 
     def new_node(self) -> int:
         node, self.next_node = self.next_node, self.next_node + 1
         return node
+
+    def new_turn(self, token_ids: list[int], log_probs: list[float]) -> int:
+        """The node a generated turn leads into, with what the turn cost and how uncertain it was."""
+        node = self.new_node()
+        self.generated_tokens += len(token_ids)
+        self.turn_tokens[node] = float(len(token_ids))
+        self.turn_uncertainty[node] = (sum(1.0 - math.exp(lp) for lp in log_probs) / len(log_probs)
+                                       if log_probs else 0.0)
+        return node
+
+    def record(self) -> TreeRecord:
+        """What the finished tree tells the fork policy's profile."""
+        return TreeRecord([tuple(b.node_path) for b in self.branches], [float(sum(b.turn_rewards)) for b in self.branches],
+                          [b.mass for b in self.branches], dict(self.turn_uncertainty), dict(self.turn_tokens))
 
     @property
     def turns(self) -> int:

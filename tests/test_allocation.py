@@ -1,0 +1,131 @@
+"""The learned allocation (core.profile + the learned plans of core.fork_policy) on known problems.
+
+The profile must find where each tabular problem injects its return variance, and the allocation must follow it:
+a tree whose outcome is decided by its first move becomes flat (K0 = N, exactly RLOO), one decided by its last
+move keeps a narrow root and spends its budget on the last turn. Exploration trees keep their fixed shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.fork_policy import AllocationPlan, ExplorePlan, ForkPolicy, NodeView
+from verl_bpo.core.profile import DepthProfile, TreeRecord, allocation_weights, pool_adjacent_violators
+from verl_bpo.oracle.estimates import sample_trees
+
+N, T = 16, 8
+
+
+def learned(**kw) -> BPOConfig:
+    return BPOConfig(mode="tree", allocation="learned", max_turns=T, **{"max_leaves": 128, **kw})
+
+
+def test_pool_adjacent_violators_is_the_nondecreasing_least_squares_fit():
+    np.testing.assert_allclose(pool_adjacent_violators(np.array([3.0, 1.0, 2.0, 5.0])), [2.0, 2.0, 2.0, 5.0])
+    np.testing.assert_allclose(pool_adjacent_violators(np.array([1.0, 2.0, 3.0])), [1.0, 2.0, 3.0])
+    np.testing.assert_allclose(pool_adjacent_violators(np.array([4.0, 0.0, 0.0, 0.0])), [1.0] * 4)
+
+
+def test_variogram_by_split_depth_on_a_hand_built_tree():
+    # Root 0 -> 1, 2; node 1 -> 3 -> (5, 6) splits at depth 2; node 2 -> 4 is a leaf.
+    record = TreeRecord(leaf_paths=[(0, 1, 3, 5), (0, 1, 3, 6), (0, 2, 4)], leaf_returns=[1.0, 0.0, 1.0],
+                        leaf_masses=[0.25, 0.25, 0.5], turn_uncertainty={}, turn_tokens={}, explore=True)
+    profile = DepthProfile(horizon=4, prior=0.0, window=10**6)
+    profile.update(record)
+    # Depth 0 pairs: (5, 4): 0, (6, 4): 0.5 -> mean 0.25; depth 2 pair: (5, 6): 0.5.
+    np.testing.assert_allclose(profile._gamma[[0, 2]], [0.25, 0.5])
+    np.testing.assert_allclose(profile.survival, [1.0, 1.0, 0.5, 0.0])  # mass-weighted: the turn at depth 2 on half
+
+
+def test_allocation_weights_credit_gradient_mass_and_the_prior():
+    injected = np.array([0.0, 0.0, 1.0])
+    flat_gradient = allocation_weights(injected, np.ones(3), np.full(3, 0.5), prior=0.0)
+    assert np.all(np.diff(flat_gradient) >= 0) and flat_gradient[2] == pytest.approx(1.5)  # U_2 · D_2
+    moved = allocation_weights(injected, np.ones(3), np.full(3, 0.5), prior=0.5)
+    assert moved[1] > flat_gradient[1]  # κ credits part of the last turn's variance to the turn before
+
+
+def grow(regime: str, config: BPOConfig, n_trees: int, seed: int = 0, **problem_args):
+    policy = ForkPolicy(config)
+    return sample_trees(regime, problem_args, config, N, n_trees, seed=seed, policy=policy), policy
+
+
+def shape(result) -> dict:
+    paths = [leaf.meta.node_path for leaf in result.leaves]
+    root_children = {p[1] for p in paths}
+    return {"root": len(root_children), "leaves": len(paths)}
+
+
+def test_a_first_move_decision_makes_the_tree_flat_exactly_rloo():
+    results, policy = grow("early", learned(warmup_trees=200, explore_share=0.0), 260, good=1.0, bad=0.0)
+    injected = policy.profile.injected_variance()
+    assert injected[0] > 0.1 and np.all(injected[1:] == 0)  # the first turn injects all the variance
+    for result in results[200:]:
+        assert shape(result) == {"root": N, "leaves": N}  # K0 = N and no later fork
+
+
+def test_first_move_with_a_coin_flip_at_the_end_forks_the_last_turn_too():
+    results, policy = grow("early", learned(warmup_trees=200, explore_share=0.0), 260)
+    injected = policy.profile.injected_variance()
+    assert injected[0] > 0 and injected[-1] > 0 and np.all(injected[1:-1] < 0.2 * injected[0])
+    assert np.mean([shape(r)["root"] for r in results[200:]]) > N / 2  # most of the budget still at the root
+
+
+def test_a_last_move_decision_keeps_a_narrow_root_and_forks_the_last_turn():
+    results, policy = grow("late", learned(warmup_trees=200, explore_share=0.0), 260)
+    weights = policy.profile.weights()
+    assert weights[-1] > 0.8 * weights.sum()
+    for result in results[200:]:
+        depths = [leaf.meta.num_turns for leaf in result.leaves]
+        assert shape(result)["root"] == 2 and min(depths) == T  # a narrow root; every path runs to the end
+        assert shape(result)["leaves"] > 4 * N  # the budget of N·T turns buys many last-turn samples
+    steps = [r.metrics["bpo/env_steps"] for r in results[200:]]
+    assert 0.9 * N * T < np.mean(steps) < 1.02 * N * T  # ... and spends the turn budget, no more
+
+
+def test_turn_budget_and_leaf_cap_are_kept():
+    config = learned(warmup_trees=50, explore_share=0.0, max_leaves=24)
+    results, _ = grow("late", config, 120)
+    leaves = [len(r.leaves) for r in results[50:]]
+    assert max(leaves) <= 24 and min(leaves) >= N and np.mean(leaves) > N  # capped, and more leaves than N
+    leaf_budget, _ = grow("late", learned(warmup_trees=50, explore_share=0.0, budget="leaves"), 120)
+    assert {len(r.leaves) for r in leaf_budget[50:]} == {N}  # exactly N leaves
+
+
+def test_exploration_trees_have_the_fixed_shape_and_fork_depths_spread_evenly():
+    results, policy = grow("late", learned(warmup_trees=400), 400)
+    fork_depths = []
+    for result in results:
+        assert shape(result)["root"] == N // 2
+        by_root: dict[int, list] = {}
+        for leaf in result.leaves:
+            by_root.setdefault(leaf.meta.node_path[1], []).append(leaf.meta.node_path)
+        for paths in by_root.values():
+            assert len(paths) <= 2  # one fork of 2 at most below each root path
+            if len(paths) == 2:
+                a, b = paths
+                fork_depths.append(next(j for j in range(1, len(a)) if a[j] != b[j]) - 1)
+    counts = np.bincount(fork_depths, minlength=T)[1:]
+    assert counts.min() > 0.6 * counts.mean()  # uniform over depths 1 .. T-1
+    assert policy.profile.explore_trees > 0.5 * 400  # every tree taught the profile (its weights decay slowly)
+
+
+def test_the_policy_explores_during_warm_up_then_on_a_share_of_trees():
+    policy = ForkPolicy(learned(warmup_trees=10, explore_share=0.25))
+    plans = [policy.start_tree(N, seed=s) for s in range(410)]
+    assert all(isinstance(p, ExplorePlan) for p in plans[:10])
+    share = np.mean([isinstance(p, ExplorePlan) for p in plans[10:]])
+    assert 0.18 < share < 0.32 and all(isinstance(p, (ExplorePlan, AllocationPlan)) for p in plans)
+
+
+def test_a_learned_plan_reads_only_the_view_and_its_randomness():
+    """Same view, same seed, same width; the node's history and score are never read."""
+    policy = ForkPolicy(learned(warmup_trees=0, explore_share=0.0))
+    view = NodeView(node_id=3, depth=2, history=(1, 2, 3), parent_turn_surprisal=0.1, forks_on_path=0,
+                    turns_since_fork=2, horizon_left=6, budget=40.0)
+    other = NodeView(node_id=9, depth=2, history=(7, 7), parent_turn_surprisal=9.0, forks_on_path=0,
+                     turns_since_fork=2, horizon_left=6, budget=40.0)
+    first = policy.start_tree(N, seed=1).widths([view], [0.0])
+    assert policy.start_tree(N, seed=1).widths([other], [5.0]) == first

@@ -1,0 +1,221 @@
+"""Where a task's outcome is decided: a per-depth profile learned from finished trees, and the allocation weights it
+gives (budgeted Neyman allocation, Neyman 1934).
+
+A tree spends its budget well when its forks sit where return variance is *injected*: a fork only averages the
+variance injected below it. What a rollout has (leaf returns, tree structure, turn depths, sampled-token
+log-probs) gives, per depth j < T:
+
+    S_j   survival: the probability that an episode takes a turn at depth j (mass-weighted over leaves);
+    e_j   gradient mass of a depth-j turn: mean over its tokens of 1 − p(token), an unbiased per-sample estimate of
+          1 − Σπ², the squared norm of ∇_logits log π (so ē_j = S_j e_j per episode);
+    γ_j   the return variogram: ½(G_ℓ − G_ℓ')² over leaf pairs whose paths split at depth j, measured on trees of a
+          fixed, score-independent shape only (exploration trees), so forks placed by the profile never bias it;
+    D^R_j = S_j γ_j − S_{j+1} γ_{j+1}: the return variance injected by the turn at depth j (γ_T = 0), each
+          estimate shrunk by one standard error across trees.
+
+The allocation weight of depth j is the variance of the gradient that noise injected there causes,
+
+    F_j = U_j D^R_j + ē_j Σ_{i<j} D^R_i,     U_j = Σ_{i≤j} ē_i,
+
+with a share σ_j = κ · min(e_j, 1 − e_j) · D^R_j moved one depth up (D_j = F_j − σ_j + σ_{j+1}; κ =
+``bpo.profile_prior``). Returns alone cannot tell where the decisive action's expected gradient changes (a task
+and its twin whose success ignores the last action give the same returns and log-probs), so κ is a stated prior,
+not a hidden constant. Finally D is made non-decreasing in j (pool-adjacent-violators; a tree cannot have fewer
+samples deeper than shallower), and the profile is forgotten exponentially (``bpo.profile_window`` trees) so it
+follows training. Pure numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["TreeRecord", "DepthProfile", "pool_adjacent_violators", "allocation_weights"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeRecord:
+    """What one finished tree tells the profile (built by the sampler from its leaves).
+
+    Attributes:
+        leaf_paths: per leaf, the node ids from the root to the leaf.
+        leaf_returns: per leaf, its return.
+        leaf_masses: per leaf, w = Π 1/K.
+        turn_uncertainty: per node (the turn leading into it), the mean over its tokens of 1 − p(token).
+        turn_tokens: per node, the tokens its turn generated.
+        explore: the tree had the fixed, score-independent exploration shape (its pairs teach the variogram).
+    """
+
+    leaf_paths: Sequence[Sequence[int]]
+    leaf_returns: Sequence[float]
+    leaf_masses: Sequence[float]
+    turn_uncertainty: dict[int, float]
+    turn_tokens: dict[int, float]
+    explore: bool = False
+
+
+def pool_adjacent_violators(values: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """The non-decreasing sequence closest to ``values`` in weighted least squares (isotonic regression)."""
+    values = np.asarray(values, dtype=float)
+    weights = np.ones_like(values) if weights is None else np.asarray(weights, dtype=float)
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for v, w in zip(values, weights):
+        blocks.append([v, max(w, 1e-12), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.concatenate([[m] * int(n) for m, _, n in blocks]) if blocks else values
+
+
+def allocation_weights(injected: np.ndarray, survival: np.ndarray, uncertainty: np.ndarray,
+                       prior: float) -> np.ndarray:
+    """D_j from the injected return variance D^R, survival S and turn uncertainty e (module docstring)."""
+    mass = survival * uncertainty  # ē_j
+    cumulative = np.cumsum(mass)  # U_j
+    before = np.concatenate([[0.0], np.cumsum(injected)[:-1]])  # Σ_{i<j} D^R_i
+    weights = cumulative * injected + mass * before
+    moved = prior * np.minimum(uncertainty, 1.0 - uncertainty) * injected
+    weights = weights - moved + np.concatenate([moved[1:], [0.0]])
+    return pool_adjacent_violators(np.maximum(weights, 0.0))
+
+
+class DepthProfile:
+    """Per-depth statistics of finished trees, forgotten exponentially; see the module docstring.
+
+    Args:
+        horizon: T, the most turns a path may take (``bpo.max_turns``).
+        prior: κ (``bpo.profile_prior``).
+        window: trees after which an observation's weight has fallen to 1/e (``bpo.profile_window``).
+    """
+
+    def __init__(self, horizon: int, prior: float, window: int) -> None:
+        self.horizon, self.prior = horizon, prior
+        self.decay = math.exp(-1.0 / max(window, 1))
+        T = horizon
+        self.trees = 0.0  # decayed count of trees (all) and of exploration trees
+        self.explore_trees = 0.0
+        self._alive = np.zeros(T)  # Σ over trees of Σ_ℓ w_ℓ 1[path takes turn j]
+        self._uncertainty = np.zeros(T)  # ... w_ℓ e(turn j)
+        self._tokens = np.zeros(T)  # ... w_ℓ tokens(turn j)
+        self._gamma = np.zeros(T)  # Σ over exploration trees of their mean ½(G − G')² at split depth j
+        self._gamma_sq = np.zeros(T)
+        self._gamma_trees = np.zeros(T)
+        self.last_explore_stats: dict[int, float] = {}
+
+    # --- learning -----------------------------------------------------------------------------------------------
+    def update(self, record: TreeRecord) -> None:
+        d = self.decay
+        for array in (self._alive, self._uncertainty, self._tokens):
+            array *= d
+        self.trees = self.trees * d + 1.0
+        for path, mass in zip(record.leaf_paths, record.leaf_masses):
+            for j, node in enumerate(path[1:self.horizon + 1]):
+                self._alive[j] += mass
+                self._uncertainty[j] += mass * record.turn_uncertainty.get(node, 0.0)
+                self._tokens[j] += mass * record.turn_tokens.get(node, 1.0)
+        if record.explore:
+            for array in (self._gamma, self._gamma_sq, self._gamma_trees):
+                array *= d
+            self.explore_trees = self.explore_trees * d + 1.0
+            for j, value in _variogram(record, self.horizon).items():
+                self._gamma[j] += value
+                self._gamma_sq[j] += value * value
+                self._gamma_trees[j] += 1.0
+
+    # --- what it says -------------------------------------------------------------------------------------------
+    @property
+    def survival(self) -> np.ndarray:
+        """S_j (S_0 = 1 once any tree is seen)."""
+        return self._alive / self.trees if self.trees else np.ones(self.horizon)
+
+    @property
+    def uncertainty(self) -> np.ndarray:
+        """e_j, the mean uncertainty of a depth-j turn (0.5 where no turn was seen)."""
+        return np.where(self._alive > 0, self._uncertainty / np.maximum(self._alive, 1e-12), 0.5)
+
+    def turn_cost(self, unit: str) -> np.ndarray:
+        """c_j, the mean cost of a depth-j turn: 1 in ``turns``; its generated tokens in ``tokens`` (1 where no
+        turn was seen)."""
+        if unit != "tokens":
+            return np.ones(self.horizon)
+        return np.where(self._alive > 0, self._tokens / np.maximum(self._alive, 1e-12), 1.0)
+
+    def episode_cost(self, unit: str) -> float:
+        """What one episode costs on average, Σ_j S_j c_j: turns, or tokens (``horizon`` turns before any tree)."""
+        return float((self.survival * self.turn_cost(unit)).sum())
+
+    def cost_left(self, depth: int, unit: str) -> float:
+        """Expected cost of a path from depth ``depth`` to its end, given it got there (at least its next turn)."""
+        if depth >= self.horizon:
+            return 1.0
+        s, c = self.survival, self.turn_cost(unit)
+        alive = s[depth] if s[depth] > 0 else 1.0
+        return max(float((s[depth:] * c[depth:]).sum() / alive), float(c[depth]))
+
+    def injected_variance(self) -> np.ndarray:
+        """D^R_j = S_j γ_j − S_{j+1} γ_{j+1}, each γ shrunk toward its neighbours' information by one SE."""
+        n = self._gamma_trees
+        mean = np.where(n > 0, self._gamma / np.maximum(n, 1e-12), np.nan)
+        var = np.where(n > 1, self._gamma_sq / np.maximum(n, 1e-12) - np.nan_to_num(mean) ** 2, 0.0)
+        se = np.sqrt(np.maximum(var, 0.0) / np.maximum(n, 1.0))
+        gamma = _fill_forward(mean)
+        s = self.survival
+        scaled = np.concatenate([s * gamma, [0.0]])
+        scaled_se = np.concatenate([s * np.where(np.isnan(mean), 0.0, se), [0.0]])
+        raw = scaled[:-1] - scaled[1:]
+        return np.maximum(raw - np.sqrt(scaled_se[:-1] ** 2 + scaled_se[1:] ** 2), 0.0)
+
+    def weights(self) -> np.ndarray:
+        """D_j, non-decreasing, from which the allocation takes its widths (all zero before any data)."""
+        return allocation_weights(self.injected_variance(), self.survival, self.uncertainty, self.prior)
+
+    def metrics(self) -> dict[str, float]:
+        """``bpo/profile/...``: per depth the injected return variance, the allocation weight (normalised to sum 1)
+        and the survival, for the depths where trees were seen."""
+        out = {"bpo/profile/trees": float(self.trees), "bpo/profile/explore_trees": float(self.explore_trees)}
+        injected, weights, survival = self.injected_variance(), self.weights(), self.survival
+        total = weights.sum()
+        for j in range(self.horizon):
+            if survival[j] <= 0:
+                break
+            out[f"bpo/profile/injected_variance/d{j}"] = float(injected[j])
+            out[f"bpo/profile/weight/d{j}"] = float(weights[j] / total) if total > 0 else 0.0
+            out[f"bpo/profile/survival/d{j}"] = float(survival[j])
+        return out
+
+
+def _fill_forward(values: np.ndarray) -> np.ndarray:
+    """NaNs (depths without a split) take the last known value: no variance injected where nothing was measured;
+    leading NaNs take the first known value (0 when nothing is known)."""
+    out = values.copy()
+    known = ~np.isnan(out)
+    if not known.any():
+        return np.zeros_like(out)
+    first = int(np.flatnonzero(known)[0])
+    out[:first] = out[first]
+    for j in range(first + 1, len(out)):
+        if np.isnan(out[j]):
+            out[j] = out[j - 1]
+    return out
+
+
+def _variogram(record: TreeRecord, horizon: int) -> dict[int, float]:
+    """Per split depth j: the mean of ½(G − G')² over leaf pairs whose paths first differ at turn j."""
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    paths, returns = record.leaf_paths, record.leaf_returns
+    for a in range(len(paths)):
+        for b in range(a + 1, len(paths)):
+            pa, pb = paths[a], paths[b]
+            j = 0
+            while j + 1 < min(len(pa), len(pb)) and pa[j + 1] == pb[j + 1]:
+                j += 1
+            if j >= horizon:
+                continue
+            sums[j] = sums.get(j, 0.0) + 0.5 * (returns[a] - returns[b]) ** 2
+            counts[j] = counts.get(j, 0) + 1
+    return {j: sums[j] / counts[j] for j in sums}
