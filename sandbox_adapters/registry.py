@@ -18,6 +18,7 @@ __all__ = ["SANDBOX_REGISTRY", "register_sandbox", "get_sandbox_cls", "check_san
 # name -> "module:Class"; adapters in this package are listed here, others call register_sandbox().
 SANDBOX_REGISTRY: dict[str, str | type[Sandbox]] = {
     "smoke": "sandbox_adapters.smoke:SmokeSandbox",
+    "signpost": "sandbox_adapters.signpost:SignpostSandbox",
     "textworld": "sandbox_adapters.textworld:TextWorldSandbox",
     "alfworld": "sandbox_adapters.alfworld:ALFWorldSandbox",
     "swebench": "sandbox_adapters.swebench:SWEBenchSandbox",
