@@ -121,6 +121,8 @@ class Snapshot:
         task: the task the sandbox was reset with.
         actions: the raw action texts applied since reset (kept for every kind: replay is the reference).
         payload: the mechanism's own data; only the sandbox class that made it reads it.
+        done: the episode had ended when the snapshot was taken; a sandbox restored from it stays ended (a
+            restored post-win state must not pay its reward again).
         release: optional callback that frees resources held by the payload (a frozen layer, a worker).
     """
 
@@ -128,6 +130,7 @@ class Snapshot:
     task: Mapping[str, Any]
     actions: tuple[str, ...]
     payload: Any = None
+    done: bool = False
     release: Callable[[], None] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def close(self) -> None:
@@ -248,6 +251,11 @@ class Sandbox(abc.ABC):
         return self._task
 
     @property
+    def done(self) -> bool:
+        """True once the episode ended (``step`` then raises); a restore takes the snapshot's value."""
+        return self._done
+
+    @property
     def actions(self) -> tuple[str, ...]:
         """Raw action texts applied since the last reset or restore point."""
         return tuple(self._actions)
@@ -275,10 +283,11 @@ class Sandbox(abc.ABC):
 
     def snapshot(self) -> Snapshot:
         payload = None if self.snapshot_kind is SnapshotKind.REPLAY else self._snapshot_payload()
-        return Snapshot(self.snapshot_kind, dict(self.task), tuple(self._actions), payload)
+        return Snapshot(self.snapshot_kind, dict(self.task), tuple(self._actions), payload, done=self._done)
 
     def restore(self, snapshot: Snapshot, seed: int | None = None) -> None:
-        """Make this sandbox an exact, independent copy of ``snapshot``; then re-seed it if ``seed`` is given."""
+        """Make this sandbox an exact, independent copy of ``snapshot`` (an ended episode stays ended); then
+        re-seed it if ``seed`` is given."""
         try:
             self._restore_payload(snapshot)
         except SandboxError:
@@ -287,7 +296,7 @@ class Sandbox(abc.ABC):
             raise RestoreFailed(f"{type(self).__name__}.restore failed: {exc!r}") from exc
         self._task = dict(snapshot.task)
         self._actions = list(snapshot.actions)
-        self._done = False
+        self._done = snapshot.done
         if seed is not None:
             self.reseed(seed)
 

@@ -33,8 +33,11 @@ The checks are the contract of ``sandbox_adapters/base.py``:
 * ``close()`` leaves no child process, mount or temporary directory behind (checked in a private temp dir that
   ``tempfile`` and ``$TMPDIR`` point to during the test, so concurrent processes do not disturb the count);
 * model text without a parseable action is an observation with ``info["invalid_action"]``, never an exception;
-* faults where the adapter can inject them: a step that raises -> ``SandboxCrashed``, a hang past the step timeout
-  -> ``SandboxTimeout``, a corrupted snapshot -> ``RestoreFailed`` (and the sandbox still works afterwards).
+* a snapshot taken after the episode ended restores into an ended episode (no second reward);
+* faults: a step that raises -> ``SandboxCrashed``, a corrupted snapshot -> ``RestoreFailed`` (and the sandbox
+  still works afterwards), and a hang: a tree grown by the production ``TreeSampler`` whose root sandbox's engine
+  never returns from a step ends that leaf with ``SandboxTimeout`` while its sibling finishes, and the next tree
+  on the same engine class grows normally (no lock or thread stays held by the hung call).
 
 Replay-based checks only hold for ``deterministic = True`` adapters; for stochastic ones they are skipped and the
 same-seed check stands in.
@@ -42,12 +45,14 @@ same-seed check stands in.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import glob
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -58,13 +63,12 @@ from sandbox_adapters.base import (
     RestoreFailed,
     Sandbox,
     SandboxCrashed,
-    SandboxTimeout,
     Snapshot,
     SnapshotKind,
     StepResult,
 )
 
-__all__ = ["SandboxConformance", "transcript", "resource_counts"]
+__all__ = ["SandboxConformance", "transcript", "resource_counts", "ScriptedTurns", "CharCodec"]
 
 
 def transcript(results: Sequence[StepResult]) -> list[tuple[str, float, bool]]:
@@ -88,13 +92,56 @@ def resource_counts(tmp_dir: str | None = None) -> dict[str, Any]:
     return {"children": _child_pids(), "mounts": mounts, "tmp": set(os.listdir(tmp_dir))}
 
 
+@dataclasses.dataclass
+class _Generation:
+    token_ids: list[int]
+    log_probs: list[float]
+
+
+class ScriptedTurns:
+    """A FAKE LLM client for the sampler: turn ``t`` of every branch is ``turns[t]`` (the last one repeats).
+
+    Tokens are Unicode code points and every turn ends with token 0, so the turn index is the number of zeros in
+    the prompt (observations never contain NUL)."""
+
+    def __init__(self, turns: Sequence[str]) -> None:
+        self.turns = list(turns)
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params):
+        turn = self.turns[min(list(prompt_ids).count(0), len(self.turns) - 1)]
+        ids = [ord(c) for c in turn] + [0]
+        return _Generation(ids, [-0.1] * len(ids))
+
+
+class CharCodec:
+    """A FAKE tokenizer for :class:`ScriptedTurns`: one token per code point; environment text has mask 0."""
+
+    async def start(self, messages):
+        return [ord(c) for m in messages for c in m["content"] if c != "\0"]
+
+    async def add_assistant(self, transcript, token_ids, log_probs):
+        transcript.token_ids += token_ids
+        transcript.response_mask += [1] * len(token_ids)
+        transcript.response_logprobs += list(log_probs)
+        text = "".join(chr(t) for t in token_ids if t)
+        transcript.messages.append({"role": "assistant", "content": text})
+        return text
+
+    async def add_user(self, transcript, text):
+        ids = [ord(c) for c in text if c != "\0"] or [32]
+        transcript.token_ids += ids
+        transcript.response_mask += [0] * len(ids)
+        transcript.response_logprobs += [0.0] * len(ids)
+        transcript.messages.append({"role": "user", "content": text})
+
+
 class SandboxConformance:
     """Base class of the per-adapter conformance suites; see the module docstring for the hooks."""
 
     #: How many times ``test_snapshot_survives_many_restores`` restores one snapshot.
     many_restores: int = 5
-    #: Seconds a step may take in ``test_hang_raises_timeout`` beyond the adapter's own timeout.
-    hang_slack_s: float = 30.0
+    #: ``bpo.step_timeout_s`` of the sampler in the hang test: longer than any normal call of the adapter.
+    sampler_step_timeout_s: float = 3.0
 
     # --- hooks every adapter provides -----------------------------------------------------------------------
     def make_sandbox(self) -> Sandbox:
@@ -126,9 +173,17 @@ class SandboxConformance:
         """Arrange that the next ``sandbox.step`` fails inside the engine (e.g. monkeypatch it to raise)."""
         pytest.skip(f"{type(self).__name__} does not inject step crashes")
 
-    def inject_step_hang(self, sandbox: Sandbox) -> None:
-        """Arrange that the next ``sandbox.step`` hangs past the adapter's step timeout (set a short one)."""
-        pytest.skip(f"{type(self).__name__} does not inject step hangs")
+    def inject_step_hang(self, sandbox: Sandbox, release: threading.Event) -> None:
+        """Arrange that the next ``sandbox.step`` blocks inside the engine until ``release`` is set (a call that
+        never returns, as a wedged engine, daemon or container runtime would). The default blocks the engine hook
+        ``_apply`` of this one instance."""
+        apply = sandbox._apply
+
+        def hanging(action: str) -> StepResult:
+            release.wait()
+            return apply(action)
+
+        sandbox._apply = hanging  # type: ignore[method-assign]
 
     def corrupt_snapshot(self, snapshot: Snapshot) -> Snapshot:
         """A copy of ``snapshot`` that the adapter cannot restore. The default garbles a non-replay payload."""
@@ -341,13 +396,62 @@ class SandboxConformance:
         with pytest.raises(SandboxCrashed):
             sandbox.step(self.probe_actions()[0])
 
-    def test_hang_raises_timeout(self) -> None:
+    def test_hang_fails_the_leaf_and_the_next_tree_proceeds(self) -> None:
+        from verl_bpo.core.config import BPOConfig
+        from verl_bpo.rollout.sampler import TreeSampler
+
+        probe = self.make_sandbox()
+        blocking = type(probe).blocking
+        probe.close()
+        if not blocking:
+            pytest.skip("blocking = False: the adapter's calls run on the event loop and cannot hang by contract")
+        turns = [*self.prefix_actions(), *self.probe_actions()]
+        config = BPOConfig(mode="tree", k=2, k0=2, max_turns=len(turns), step_timeout_s=self.sampler_step_timeout_s)
+        release = threading.Event()
+        made: list[Sandbox] = []
+
+        def make(hang_first: bool) -> Sandbox:
+            sandbox = self.make_sandbox()
+            made.append(sandbox)
+            if hang_first and len(made) == 1:  # the root: its first step never returns
+                self.inject_step_hang(sandbox, release)
+            return sandbox
+
+        def grow(hang_first: bool, tree_id: str):
+            sampler = TreeSampler(config, 2, 1 << 22, lambda: make(hang_first), self.task(),
+                                  ScriptedTurns(turns), CharCodec(), tree_id=tree_id, seed=1)
+            budget = self.sampler_step_timeout_s * (len(turns) + 4) + 60
+            return asyncio.run(asyncio.wait_for(sampler.run(), budget))
+
+        try:
+            hung = grow(True, "hung-tree")
+            made.clear()
+            start = time.monotonic()
+            after = grow(False, "next-tree")
+            took = time.monotonic() - start
+        finally:
+            release.set()
+            for sandbox in made:
+                sandbox.close()
+        failed = [leaf for leaf in hung.leaves if leaf.failed]
+        assert len(hung.leaves) == 2 and len(failed) == 1, [leaf.error for leaf in hung.leaves]
+        assert "SandboxTimeout" in failed[0].error and "ran for" in failed[0].error, failed[0].error
+        assert not any(leaf.failed for leaf in after.leaves), [leaf.error for leaf in after.leaves]
+        assert took < self.sampler_step_timeout_s * len(turns), f"the next tree took {took:.1f} s"
+
+    def test_restoring_an_ended_episode_keeps_it_ended(self) -> None:
         sandbox, _ = self.at_decision_point()
-        self.inject_step_hang(sandbox)
-        start = time.monotonic()
-        with pytest.raises(SandboxTimeout):
-            sandbox.step(self.probe_actions()[0])
-        assert time.monotonic() - start < self.hang_slack_s
+        results = self.play(sandbox, self.probe_actions())
+        if not results[-1].done:
+            pytest.skip("probe_actions() do not end the episode")
+        ended = sandbox.snapshot()
+        self._snapshots.append(ended)
+        assert ended.done
+        for target in (self.open(), sandbox):  # a fresh sandbox, and the one that played the episode
+            target.restore(ended, seed=3)
+            assert target.done
+            with pytest.raises(RuntimeError, match="after the episode ended"):
+                target.step(self.probe_actions()[-1])
 
     def test_corrupt_snapshot_raises_restore_failed(self) -> None:
         parent, snap = self.at_decision_point()
