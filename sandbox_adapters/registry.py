@@ -2,6 +2,8 @@
 
 Adapters are imported lazily: naming ``textworld`` must not import ALFWorld or SWE-bench. Each adapter class has
 a ``Config`` dataclass whose fields (documented there) are the keys accepted under ``bpo.sandbox.config``.
+A ``Config`` whose calls have time limits of their own may define ``min_step_timeout_s()``, the longest one reset or
+step can take within them; ``bpo.step_timeout_s`` is checked against it before a run starts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 
 from sandbox_adapters.base import Sandbox
 
-__all__ = ["SANDBOX_REGISTRY", "register_sandbox", "get_sandbox_cls", "check_sandbox_config", "make_sandbox"]
+__all__ = ["SANDBOX_REGISTRY", "register_sandbox", "get_sandbox_cls", "check_sandbox_config", "min_step_timeout_s",
+           "make_sandbox"]
 
 # name -> "module:Class"; adapters in this package are listed here, others call register_sandbox().
 SANDBOX_REGISTRY: dict[str, str | type[Sandbox]] = {
@@ -71,6 +74,15 @@ def check_sandbox_config(name: str, config: Mapping[str, Any] | None = None) -> 
             f"bpo.sandbox.config: unknown key(s) {unknown} for sandbox {name!r}; valid keys: {sorted(known)}"
         )
     return config_cls(**config)
+
+
+def min_step_timeout_s(name: str, config: Mapping[str, Any] | None = None) -> float:
+    """The shortest ``bpo.step_timeout_s`` under which no reset or step of this sandbox fails for running within its
+    own limits: ``Config.min_step_timeout_s()`` for an adapter whose calls have time limits of their own (a command
+    timeout, a grading timeout), else 0."""
+    built = check_sandbox_config(name, config)
+    method = getattr(built, "min_step_timeout_s", None)
+    return float(method()) if callable(method) else 0.0
 
 
 def make_sandbox(name: str, config: Mapping[str, Any] | None = None) -> Sandbox:

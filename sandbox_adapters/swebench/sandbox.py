@@ -203,6 +203,11 @@ class SWEBenchSandbox(Sandbox):
             if self.max_steps < 1 or self.max_output_chars < 100 or self.max_layers < 2:
                 raise ValueError("swebench: max_steps >= 1, max_output_chars >= 100 and max_layers >= 2 required")
 
+        def min_step_timeout_s(self) -> float:
+            """The longest a call may take within these limits (``registry.min_step_timeout_s``): the step at
+            ``max_steps`` runs a command, then grades (patch extraction, application, eval script)."""
+            return self.command_timeout_s + 3 * self.grading_timeout_s
+
     name: ClassVar[str] = "swebench"
     deterministic: ClassVar[bool] = True
     snapshot_kind: ClassVar[SnapshotKind] = SnapshotKind.FILESYSTEM
