@@ -28,7 +28,7 @@ import ray
 import torch
 import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf, open_dict
-from verl.trainer.ppo.v1 import AgentLoopManagerTQ, PPOTrainerSync
+from verl.trainer.ppo.v1 import AgentLoopManagerTQ, PPOTrainerSync, register_trainer
 from verl.utils.import_utils import load_class_from_fqn
 from verl.utils.logging_utils import configure_verl_logging
 
@@ -38,7 +38,11 @@ from verl_bpo.integration.batch_layout import batch_multiple, minibatch_rows, ro
 from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
 from verl_bpo.integration.settings import read_bpo_config
 
-__all__ = ["BPOTrainer", "BPOTaskRunner", "tree_metrics", "batch_tree_call", "column"]
+__all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "tree_metrics", "batch_tree_call", "column"]
+
+# BPOTrainer's name in verl's trainer registry: verl's stock TaskRunner builds the trainer that
+# ``trainer.v1.trainer_mode`` names, so ``trainer_mode=bpo`` runs BPO through ``python -m verl.trainer.main_ppo``.
+TRAINER_MODE = "bpo"
 
 
 def column(data: Any, key: str) -> list[Any]:
@@ -76,8 +80,16 @@ def batch_tree_call(uids: list[Any], extra_fields: list[Any],
     return tree_call_context(metas, bpo_config, rows_per_tree(len(uids), trees))
 
 
+@register_trainer(TRAINER_MODE)
 class BPOTrainer(PPOTrainerSync):
     """verl's sync trainer, plus the tree metadata hand-off to the ``bpo`` estimator (module docstring)."""
+
+    def __init__(self, config: DictConfig) -> None:
+        # verl keys sync semantics (replay buffer, refill, checkpointed queue state) on the name "sync"; the
+        # registry name only chose this class.
+        with open_dict(config):
+            config.trainer.v1.trainer_mode = "sync"
+        super().__init__(config)
 
     @property
     def _trees_bpo(self) -> bool:
