@@ -13,9 +13,18 @@ and rewards lives in two places:
   ``Inform7Data._prev_state``, from which tracked infos carry over).
 
 The native snapshot stores exactly those (about 2 ms), which is ~100x cheaper than ``env.copy()`` (it deep-copies
-the game state and reloads the story file). Those are private attributes of TextWorld, so the test-suite checks that
-an in-place fork equals an ``env.copy()`` fork step by step; ``Config.snapshot="copy"`` switches to ``env.copy()``
-and ``"replay"`` to the universal fallback.
+the game state and reloads the story file), plus a shallow copy of each wrapper's remaining, read-only attributes
+(the parsed ``Game``, its ``Inform7Game``, the requested infos). Those are private attributes of TextWorld, so the
+test-suite checks that an in-place fork equals an ``env.copy()`` fork step by step; ``Config.snapshot="copy"``
+switches to ``env.copy()`` and ``"replay"`` to the universal fallback.
+
+Forks into fresh sandboxes (how the tree sampler forks): a sandbox that does not hold the game rebuilds the
+wrapper stack from those attributes around a Z-machine and sets its state, without loading the game's ``.json``
+or resetting. Each Z-machine is a private copy of ``libfrotz.so`` set up for one story file (~5 ms to make), so
+the machines of closed sandboxes are kept (``Config.max_idle_engines`` per process) and handed to the next
+sandbox, one already set up for the wanted story first; a fork then costs a fraction of a millisecond, and a few
+milliseconds when no idle machine is left. A sandbox closed while one of its calls still runs (a quarantined,
+hung call) drops its machine instead of recycling it.
 
 Reward: the change of the game's score (divided by the maximum score when ``Config.normalize_reward``, so a won
 game sums to 1.0); ``done`` when the game is won or lost or after ``Config.max_steps`` actions.
@@ -32,14 +41,16 @@ an exception inside the engine becomes ``SandboxCrashed``.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -68,6 +79,41 @@ _TRACKED_ATTRS = (
     "_prev_state",
     "state",
 )
+# Wrapper attributes a rebuilt stack gets from elsewhere (the chain links and the Z-machine).
+_LINK_ATTRS = ("_wrapped_env", "_jericho")
+
+# Z-machines of closed sandboxes: story file -> machines set up for it (see the module docstring).
+_IDLE_VMS: dict[str, list[Any]] = {}
+_IDLE_LOCK = threading.Lock()
+
+
+def _take_vm(story: str, seed: int, set_up: bool = True) -> Any:
+    """A Z-machine for ``story``: an idle one set up for it, else an idle one set up anew (left to the caller
+    when not ``set_up``), else a new one."""
+    with _IDLE_LOCK:
+        vm = _IDLE_VMS[story].pop() if _IDLE_VMS.get(story) else None
+        other = None
+        if vm is None:
+            other = next((machines.pop() for machines in _IDLE_VMS.values() if machines), None)
+    if vm is not None:
+        return vm
+    import jericho
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jericho.UnsupportedGameWarning)
+        if other is not None:
+            if set_up:
+                other.load(story, seed)
+            return other
+        return jericho.FrotzEnv(story, seed)
+
+
+def _give_vm(vm: Any, story: str, limit: int) -> None:
+    with _IDLE_LOCK:
+        if sum(map(len, _IDLE_VMS.values())) < limit:
+            _IDLE_VMS.setdefault(story, []).append(vm)
+            return
+    vm.close()  # over the limit: the machine is freed when it is collected
 
 
 def make_games(
@@ -167,6 +213,7 @@ class TextWorldSandbox(Sandbox):
                 ~100-500 ms, the reference) or ``"replay"`` (reset + re-apply; default ``"native"``).
             seed: seed of the Z-machine's random number generator at reset (default 0; Jericho's default of -1
                 would vary with time).
+            max_idle_engines: Z-machines of closed sandboxes kept per process for reuse (default 64).
         """
 
         games_dir: str | None = None
@@ -175,6 +222,7 @@ class TextWorldSandbox(Sandbox):
         normalize_reward: bool = True
         snapshot: str = "native"
         seed: int = 0
+        max_idle_engines: int = 64
 
         def __post_init__(self) -> None:
             if self.snapshot not in ("native", "copy", "replay"):
@@ -196,6 +244,7 @@ class TextWorldSandbox(Sandbox):
         self._steps = 0
         self._score = 0
         self._max_score = 1
+        self._running = 0  # engine calls in flight; close() during one drops the Z-machine
 
     # --- games ----------------------------------------------------------------------------------------------
     def resolve_game(self, task: Mapping[str, Any]) -> str:
@@ -223,17 +272,23 @@ class TextWorldSandbox(Sandbox):
         return str(path.resolve())
 
     def _load(self, game_path: str) -> None:
-        """Start the engine on ``game_path`` unless it already runs that game."""
+        """Start the engine on ``game_path`` unless it already runs that game (``textworld.start`` on a Z-machine
+        of the pool)."""
         if self._env is not None and self._game_path == game_path:
             return
         import textworld
+        from textworld.envs import JerichoEnv, TWInform7
 
         self._close_env()
         infos = textworld.EnvInfos(
             admissible_commands=True, score=True, max_score=True, won=True, lost=True, objective=True
         )
-        self._env = self._quiet(lambda: textworld.start(game_path, request_infos=infos))
-        self._game_path = game_path
+        vm = _take_vm(game_path, self.config.seed, set_up=False)
+        jericho_env = JerichoEnv(infos)
+        jericho_env._jericho = vm  # load() then sets this machine up for the story instead of making one
+        env = TWInform7(jericho_env)
+        self._env, self._game_path = env, game_path
+        self._quiet(lambda: env.load(game_path))
 
     @staticmethod
     def _quiet(load: Any) -> Any:
@@ -263,9 +318,10 @@ class TextWorldSandbox(Sandbox):
     # --- engine hooks ---------------------------------------------------------------------------------------
     def _reset(self, task: Mapping[str, Any]) -> Observation:
         try:
-            self._load(self.resolve_game(task))
-            self._env.seed(self.config.seed)
-            state = self._env.reset()
+            with self._engine_call():
+                self._load(self.resolve_game(task))
+                self._env.seed(self.config.seed)
+                state = self._env.reset()
         except (ValueError, FileNotFoundError):
             raise
         except Exception as exc:
@@ -289,7 +345,8 @@ class TextWorldSandbox(Sandbox):
     def _apply(self, action: str) -> StepResult:
         admissible = self._env.state.get("admissible_commands") or []
         try:
-            state, _, _ = self._env.step(action)
+            with self._engine_call():
+                state, _, _ = self._env.step(action)
         except Exception as exc:
             raise SandboxCrashed(f"textworld: step {action!r} failed: {exc!r}") from exc
         self._steps += 1
@@ -333,11 +390,16 @@ class TextWorldSandbox(Sandbox):
         counters = (self._game_path, self._steps, self._score, self._max_score)
         if self.config.snapshot == "copy":
             return ("copy", counters, self._quiet(self._env.copy))
+        chain = self._wrappers()
         layers = [
             {name: _copy_tracked(name, layer.__dict__[name]) for name in _TRACKED_ATTRS if name in layer.__dict__}
-            for layer in self._wrappers()
+            for layer in chain
         ]
-        return ("native", counters, (self._jericho.get_state(), layers))
+        # the rest of each wrapper is set by load/reset and read-only afterwards: shared, not copied
+        static = tuple((type(layer), {name: value for name, value in layer.__dict__.items()
+                                      if name not in _TRACKED_ATTRS and name not in _LINK_ATTRS})
+                       for layer in chain)
+        return ("native", counters, (self._jericho.get_state(), layers, static))
 
     def _restore_payload(self, snapshot: Snapshot) -> None:
         if self.config.snapshot == "replay" or snapshot.kind is SnapshotKind.REPLAY:
@@ -346,17 +408,19 @@ class TextWorldSandbox(Sandbox):
         payload = snapshot.payload
         if not (isinstance(payload, tuple) and len(payload) == 3 and payload[0] in ("native", "copy")):
             raise RestoreFailed(f"textworld: not a TextWorld snapshot payload: {type(payload).__name__}")
-        mode, (game_path, steps, score, max_score), data = payload
+        with self._engine_call():
+            self._restore_engine(*payload)
+
+    def _restore_engine(self, mode: str, counters: tuple, data: Any) -> None:
+        game_path, steps, score, max_score = counters
         if mode == "copy":
             self._close_env()
             self._env = self._quiet(data.copy)  # the snapshot keeps its own copy untouched
             self._game_path = game_path
         else:
-            vm_state, layers = data
+            vm_state, layers, static = data
             if self._env is None or self._game_path != game_path:
-                self._load(game_path)
-                self._env.seed(self.config.seed)
-                self._env.reset()  # sets up tracking and Jericho's "was reset" flag; all else is overwritten
+                self._rebuild(game_path, static)
             chain = self._wrappers()
             if len(chain) != len(layers):
                 raise RestoreFailed("textworld: snapshot was taken from a different wrapper stack")
@@ -366,12 +430,40 @@ class TextWorldSandbox(Sandbox):
                     layer.__dict__[name] = _copy_tracked(name, value)
         self._steps, self._score, self._max_score = steps, score, max_score
 
+    def _rebuild(self, game_path: str, static: tuple) -> None:
+        """A wrapper stack for ``game_path`` from a snapshot's read-only wrapper attributes around a Z-machine of
+        the pool, without loading the game or resetting it (the caller sets the state)."""
+        if not os.path.isfile(game_path):
+            raise FileNotFoundError(f"textworld: no game at {game_path}")
+        self._close_env()
+        chain = []
+        for cls, attrs in static:
+            layer = object.__new__(cls)
+            layer.__dict__.update(attrs)
+            chain.append(layer)
+        for outer, inner in zip(chain, chain[1:]):
+            outer.__dict__["_wrapped_env"] = inner
+        chain[-1].__dict__["_jericho"] = self._quiet(lambda: _take_vm(game_path, self.config.seed))
+        self._env, self._game_path = chain[0], game_path
+
     # --- lifecycle ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _engine_call(self) -> Iterator[None]:
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+
     def _close_env(self) -> None:
-        if self._env is not None:
-            self._env.close()
-            self._env = None
-            self._game_path = None
+        """Detach the Z-machine for the next sandbox (or drop it while a call still runs) and forget the stack."""
+        env, game_path, self._env, self._game_path = self._env, self._game_path, None, None
+        if env is None:
+            return
+        jericho_env = env.unwrapped
+        vm, jericho_env._jericho, jericho_env._reset = jericho_env._jericho, None, False
+        if vm is not None and not self._running and game_path is not None:
+            _give_vm(vm, game_path, self.config.max_idle_engines)
 
     def close(self) -> None:
         self._close_env()

@@ -16,11 +16,20 @@ and keeps, like ALFWorld's ``AlfredTWEnv``, only solvable games of the selected 
 game of ``Config.split`` in sorted path order.
 
 Snapshot: ``PddlEnv.copy()`` is not implemented and ``libdownward`` has no get/set-state call, so the default
-``Config.snapshot="sas"`` keeps the game's already-translated SAS task and the operator ids applied since reset.
-Restore reloads the SAS text into the engine's library (no PDDL translation), re-applies those operators in C,
-and puts back copies of the Python-side facts and game state (tens of milliseconds, against seconds for a replay
-on realistic scenes). These are private TextWorld internals, so a test checks the fast restore against
-``snapshot="replay"`` (reset + re-apply the actions), the reference.
+``Config.snapshot="sas"`` keeps the game's already-translated SAS task and the operator ids applied since reset,
+plus references to the game's loaded, read-only parts (its PDDL data, the parsed ``GameLogic`` with its text
+grammar, the demangled entity names). Restore reloads the SAS text into an engine's library, re-applies those
+operators in C and puts back copies of the Python-side facts and game state. It never re-translates the PDDL,
+also not into a **fresh** sandbox (which is how the tree sampler forks): the game's loaded parts are attached to
+any engine, so a fork costs milliseconds with an idle engine and one library load (~50 ms) without one, against
+seconds for a translation or a replay on realistic scenes. These are private TextWorld internals, so a test checks
+the fast restore, into the same and into fresh sandboxes, against ``snapshot="replay"`` (reset + re-apply the
+actions), the reference.
+
+Engines: each one loads its own copy of ``libdownward.so`` (~34 MB, ~50 ms) and a loaded copy is never unloaded,
+so the engines of closed sandboxes are kept and handed to the next sandbox, one that already holds the wanted
+game first (a process holds as many engines as it ever ran sandboxes at once). A sandbox closed while one of its calls still runs (a call
+that hung and was quarantined) drops its engine instead: it is in an unknown state.
 
 Reward 1.0 on the step that wins (ALFWorld's score), ``done`` when won or after ``Config.max_steps`` actions.
 Commands outside the admissible list are still sent (the engine answers "Nothing happens.") and are flagged
@@ -33,13 +42,14 @@ exception inside it becomes ``SandboxCrashed`` and its engine is discarded rathe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import re
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -60,10 +70,38 @@ __all__ = ["ALFWorldSandbox", "game_walkthrough", "resolve_games_dir"]
 
 _ACTION_TAG = re.compile(r"<action>\s*(.+?)\s*</action>", re.IGNORECASE | re.DOTALL)
 
-# Each engine loads its own copy of libdownward.so (~34 MB, ~50 ms), and a loaded copy is never unloaded. Engines
-# of closed sandboxes are therefore kept here and handed to the next sandbox instead of loading another copy.
+# Engines of closed sandboxes (see the module docstring), oldest first; each knows its game as ``_bpo_game``.
 _IDLE_ENGINES: list[Any] = []
 _IDLE_LOCK = threading.Lock()
+_INFOS_LOCK = threading.Lock()
+
+
+def _take_idle_engine(game: str | None) -> Any:
+    """An idle engine, one that holds ``game`` if there is one; None when none is idle."""
+    with _IDLE_LOCK:
+        for i in range(len(_IDLE_ENGINES) - 1, -1, -1):
+            if getattr(_IDLE_ENGINES[i], "_bpo_game", None) == game:
+                return _IDLE_ENGINES.pop(i)
+        return _IDLE_ENGINES.pop() if _IDLE_ENGINES else None
+
+
+def _wrapper_chain(engine: Any) -> list[Any]:
+    """The layers of the engine's single environment, outermost first, down to the ``PddlEnv``."""
+    chain, layer = [], engine.batch_env.envs[0]
+    while layer is not None:
+        chain.append(layer)
+        layer = layer.__dict__.get("_wrapped_env")
+    return chain
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoadedGame:
+    """The read-only products of ``PddlEnv.load`` for one game: what a translation would rebuild."""
+
+    game_data: Any
+    walkthrough: Any
+    logic: Any
+    entity_infos: Any
 
 
 def resolve_games_dir(data_dir: str | os.PathLike | None, split: str) -> Path:
@@ -118,6 +156,7 @@ class _SasPayload:
     """What the SAS snapshot keeps (see the module docstring)."""
 
     game: str
+    loaded: _LoadedGame
     operators: tuple[tuple[int, int], ...]  # (operator id, number of effect atoms) applied since reset
     pddl_state: Any
     game_state: Any
@@ -176,6 +215,7 @@ class ALFWorldSandbox(Sandbox):
         self._operators: list[tuple[int, int]] = []
         self._steps = 0
         self._admissible: list[str] = []
+        self._running = 0  # engine calls in flight; close() during one drops the engine instead of recycling it
 
     # --- games ----------------------------------------------------------------------------------------------
     def games(self) -> list[Path]:
@@ -202,28 +242,62 @@ class ALFWorldSandbox(Sandbox):
         return str(path.resolve())
 
     # --- engine ---------------------------------------------------------------------------------------------
-    def _start_game(self, game: str) -> tuple[tuple[str, ...], dict[str, list[Any]]]:
-        """Point the engine at ``game`` and reset it (the way verl-agent's AlfredTWEnv builds it)."""
+    def _ensure_engine(self, game: str) -> None:
+        """An engine for this sandbox: its own, an idle one (holding ``game`` if possible) or a new one."""
         if self._engine is None:
-            with _IDLE_LOCK:
-                self._engine = _IDLE_ENGINES.pop() if _IDLE_ENGINES else None
+            self._engine = _take_idle_engine(game)
+            self._game = getattr(self._engine, "_bpo_game", None)
         if self._engine is None:
             import textworld
             import textworld.gym
             from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
             infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-            env_id = textworld.gym.register_games(
-                [game], infos, batch_size=1, asynchronous=False, max_episode_steps=None,
-                wrappers=[AlfredDemangler(shuffle=False), AlfredInfos],
-            )  # fmt: skip
-            self._engine = textworld.gym.make(env_id)
+            with _INFOS_LOCK:  # the gym registry is process-global
+                env_id = textworld.gym.register_games(
+                    [game], infos, batch_size=1, asynchronous=False, max_episode_steps=None,
+                    wrappers=[AlfredDemangler(shuffle=False), AlfredInfos],
+                )  # fmt: skip
+            self._engine = textworld.gym.make(env_id)  # no game is loaded (nor translated) until reset/attach
+            self._game = None
+
+    def _start_game(self, game: str) -> tuple[tuple[str, ...], dict[str, list[Any]]]:
+        """Point the engine at ``game`` and reset it (the way verl-agent's AlfredTWEnv builds it)."""
+        self._ensure_engine(game)
         # the gym env cycles through its game list; a one-game list makes reset() load exactly this game
         self._engine.gamefiles = [game]
         self._engine.seed(0)
+        self._game = None
         obs, infos = self._engine.reset()
-        self._game = game
+        self._set_game(game)
         return obs, infos
+
+    def _set_game(self, game: str | None) -> None:
+        self._game = game
+        self._engine._bpo_game = game
+
+    def _attach_game(self, game: str, loaded: _LoadedGame) -> None:
+        """Make the engine hold ``game`` from its loaded parts (what ``PddlEnv.load`` builds), without the PDDL
+        translation; the state is set by the caller."""
+        from alfworld.agents.environment.alfred_tw_env import AlfredInfos
+        from textworld.envs.pddl import PddlEnv
+        from textworld.envs.wrappers import GenericEnvironment
+
+        chain = _wrapper_chain(self._engine)
+        generic = next(layer for layer in chain if isinstance(layer, GenericEnvironment))
+        pddl = generic.__dict__.get("_wrapped_env")
+        if not isinstance(pddl, PddlEnv):  # an engine that never loaded a game: give it its planner library
+            pddl = PddlEnv(generic.request_infos)
+            generic._wrap(pddl)
+            generic._last_backend = PddlEnv
+        pddl._game_file = game
+        pddl._game_data, pddl.walkthrough = loaded.game_data, loaded.walkthrough
+        pddl._logic, pddl._entity_infos = loaded.logic, loaded.entity_infos
+        for layer in chain:
+            if isinstance(layer, AlfredInfos):
+                layer._gamefile = game
+        self._engine.gamefiles = [game]
+        self._set_game(game)
 
     @property
     def _pddl(self) -> Any:
@@ -233,7 +307,8 @@ class ALFWorldSandbox(Sandbox):
     def _reset(self, task: Mapping[str, Any]) -> Observation:
         game = self.resolve_game(task)
         try:
-            obs, infos = self._start_game(game)
+            with self._engine_call():
+                obs, infos = self._start_game(game)
         except Exception as exc:
             self._discard_engine()
             raise SandboxCrashed(f"alfworld: reset of {game} failed: {exc!r}") from exc
@@ -258,7 +333,8 @@ class ALFWorldSandbox(Sandbox):
         try:
             # the step replaces the operator table with the next state's; keep the one the action comes from
             operators = self._pddl._pddl_state._operators
-            obs, scores, dones, infos = self._engine.step([action])
+            with self._engine_call():
+                obs, scores, dones, infos = self._engine.step([action])
             applied = self._pddl._last_action
             if applied is not None:
                 op = operators[applied.id]
@@ -295,6 +371,7 @@ class ALFWorldSandbox(Sandbox):
         pddl = self._pddl
         return _SasPayload(
             game=self._game,
+            loaded=_LoadedGame(pddl._game_data, pddl.walkthrough, pddl._logic, pddl._entity_infos),
             operators=tuple(self._operators),
             pddl_state=_copy_pddl_state(pddl._pddl_state, pddl.downward_lib, pddl._logic),
             game_state=_copy_game_state(pddl.state),
@@ -312,14 +389,18 @@ class ALFWorldSandbox(Sandbox):
         if not isinstance(payload, _SasPayload):
             raise RestoreFailed(f"alfworld: not an ALFWorld snapshot payload: {type(payload).__name__}")
         try:
-            self._restore_sas(payload)
+            with self._engine_call():
+                self._restore_sas(payload)
         except Exception:
             self._discard_engine()  # half-restored: never hand this engine to another sandbox
             raise
 
     def _restore_sas(self, payload: _SasPayload) -> None:
-        if self._engine is None or self._game != payload.game:
-            self._start_game(payload.game)  # translates the PDDL once; later restores of this game skip it
+        self._ensure_engine(payload.game)
+        if self._game != payload.game:
+            if not os.path.isfile(payload.game):
+                raise FileNotFoundError(f"alfworld: no game file at {payload.game}")
+            self._attach_game(payload.game, payload.loaded)
         import fast_downward
 
         pddl = self._pddl
@@ -340,17 +421,25 @@ class ALFWorldSandbox(Sandbox):
         self._admissible = list(payload.game_state["admissible_commands"])
 
     # --- lifecycle ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _engine_call(self) -> Iterator[None]:
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+
     def _discard_engine(self) -> None:
         """Drop an engine in an unknown state instead of recycling it; a later reset or restore starts another."""
         self._engine = None
         self._game = None
 
     def close(self) -> None:
-        if self._engine is not None:
-            with _IDLE_LOCK:
-                _IDLE_ENGINES.append(self._engine)
-            self._engine = None
-            self._game = None
+        engine, self._engine, self._game = self._engine, None, None
+        if engine is None or self._running:  # a call still runs on it: never hand it to another sandbox
+            return
+        with _IDLE_LOCK:
+            _IDLE_ENGINES.append(engine)
 
     # --- chat rendering -------------------------------------------------------------------------------------
     def system_prompt(self) -> str:

@@ -42,15 +42,16 @@ Task specification: ``{"goal_index": <int>}``, an index into the engine's goal l
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import importlib
+import itertools
 import os
 import random
 import re
 import sys
 import threading
-import uuid
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -68,7 +69,10 @@ __all__ = ["WebShopSandbox", "WebShopUnavailable", "parse_webshop_action"]
 
 _ACTION = re.compile(r"\b(search|click)\[([^\[\]\n]+)\]", re.IGNORECASE)
 _SERVERS: dict[tuple, Any] = {}
-_ATOMS = (str, int, float, bool, type(None))
+_ATOM_TYPES = frozenset({str, int, float, bool, type(None)})
+_FLAT_TYPES = frozenset({list, set, dict, collections.defaultdict})
+_SANDBOX_IDS = itertools.count()
+_CATALOGUES: set[str] = set()  # data dirs whose product file was found (checked once per process)
 _SERVERS_LOCK = threading.Lock()
 
 
@@ -157,17 +161,20 @@ class WebShopSandbox(Sandbox):
         super().__init__()
         self.config = config or self.Config()
         data_dir = self.config.data_dir or os.environ.get("WEBSHOP_DATA")
-        if not data_dir or not os.path.isfile(os.path.join(data_dir, FILES["products"])):
-            raise WebShopUnavailable(f"webshop: no catalogue in data_dir={data_dir!r} (set Config.data_dir or "
-                                     "$WEBSHOP_DATA; python -m sandbox_adapters.webshop.data DIR writes one)")
+        if data_dir not in _CATALOGUES:
+            if not data_dir or not os.path.isfile(os.path.join(data_dir, FILES["products"])):
+                raise WebShopUnavailable(f"webshop: no catalogue in data_dir={data_dir!r} (set Config.data_dir or "
+                                         "$WEBSHOP_DATA; python -m sandbox_adapters.webshop.data DIR writes one)")
+            _CATALOGUES.add(data_dir)
         self.data_dir = os.path.abspath(data_dir)
         env_cls, server = self._engine()
-        # a unique prefix gives this sandbox its own session in the shared server
+        # a prefix unique in this process gives this sandbox its own session in the shared server
         self._env = env_cls(observation_mode="text", file_path=os.path.join(self.data_dir, FILES["products"]),
-                            server=server, session_prefix=f"bpo{uuid.uuid4().hex[:12]}-",
+                            server=server, session_prefix=f"bpo{os.getpid()}x{next(_SANDBOX_IDS)}-",
                             human_goals=self.config.human_goals)
         self._drop_session()  # the real constructor opens a session with a random id; it is not ours
         self._steps = 0
+        self._closed = False
 
     def _engine(self) -> tuple[type, Any]:
         cfg = self.config
@@ -221,6 +228,7 @@ class WebShopSandbox(Sandbox):
         if not 0 <= goal < len(self._env.server.goals):
             raise ValueError(f"webshop: goal_index {goal} is outside 0..{len(self._env.server.goals) - 1}")
         self._drop_session()
+        self._closed = False
         try:
             obs, _ = self._env.reset(session=goal)
         except Exception as exc:
@@ -229,6 +237,8 @@ class WebShopSandbox(Sandbox):
         return self._observe(obs)
 
     def _apply(self, action: str) -> StepResult:
+        if self._closed:  # a call that outlived close() (a quarantined, hung one) must not reopen the session
+            raise SandboxCrashed("webshop: the sandbox was closed")
         self._steps += 1
         kind, arg = action[:-1].split("[", 1)
         available = self._env.get_available_actions()
@@ -269,10 +279,11 @@ class WebShopSandbox(Sandbox):
         """
         out: dict[str, Any] = {}
         for key, value in session.items():
-            if key == "goal" or isinstance(value, _ATOMS):
+            kind = type(value)
+            if kind in _ATOM_TYPES or key == "goal":
                 out[key] = value
-            elif isinstance(value, (list, set, dict)) and all(
-                    isinstance(v, _ATOMS) for v in (value.values() if isinstance(value, dict) else value)):
+            elif kind in _FLAT_TYPES and _ATOM_TYPES.issuperset(
+                    map(type, value.values() if isinstance(value, dict) else value)):
                 out[key] = value.copy()
             else:
                 out[key] = copy.deepcopy(value)
@@ -317,4 +328,5 @@ class WebShopSandbox(Sandbox):
         self._steps = payload["steps"]
 
     def close(self) -> None:
+        self._closed = True
         self._drop_session()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -259,3 +260,65 @@ def test_registry_and_config():
         ALFWorldSandbox.Config(task_types=("juggle",))
     with pytest.raises(ValueError, match="snapshot"):
         ALFWorldSandbox.Config(snapshot="fork")
+
+
+def test_forks_into_fresh_sandboxes_never_translate_the_pddl(alf_games, monkeypatch):
+    """The sampler restores each child into a fresh sandbox: the game's loaded parts travel with the snapshot, so
+    neither a new engine nor an idle engine of another game re-translates the PDDL (seconds on real scenes)."""
+    from textworld.envs.pddl import logic as pddl_logic
+
+    game, other = alf_games["pick_two_obj_and_place"], alf_games["look_at_obj_in_light"]
+    walkthrough = game_walkthrough(game)
+    with ALFWorldSandbox() as parent:
+        parent.reset({"game": game})
+        for action in walkthrough[:3]:
+            parent.step(action)
+        snap = parent.snapshot()
+    with ALFWorldSandbox(ALFWorldSandbox.Config(snapshot="replay")) as reference:
+        reference.restore(snap)
+        expected = transcript([reference.step(a) for a in walkthrough[3:]])
+    with ALFWorldSandbox() as idle:  # leaves an idle engine that holds another game
+        idle.reset({"game": other})
+    translations = []
+    original = pddl_logic.PddlState.__init__
+    monkeypatch.setattr(pddl_logic.PddlState, "__init__",
+                        lambda self, *a, **kw: (translations.append(1), original(self, *a, **kw))[1])
+    assert any(getattr(e, "_bpo_game", None) == other for e in alfworld_adapter._IDLE_ENGINES)
+    with ALFWorldSandbox() as warm:  # takes the idle engine of the other game
+        warm.restore(snap)
+        assert transcript([warm.step(a) for a in walkthrough[3:]]) == expected
+    monkeypatch.setattr(alfworld_adapter, "_IDLE_ENGINES", [])
+    with ALFWorldSandbox() as cold:  # no idle engine: a new one, with its own planner library
+        cold.restore(snap)
+        assert transcript([cold.step(a) for a in walkthrough[3:]]) == expected
+    assert expected[-1][1:] == (1.0, True) and not translations
+
+
+def test_closing_during_a_running_call_drops_the_engine(alf_games):
+    """A sandbox quarantined after a hung call is closed while the call still runs: its engine must not be handed
+    to another sandbox."""
+    import threading
+
+    release, entered = threading.Event(), threading.Event()
+    sandbox = ALFWorldSandbox()
+    sandbox.reset({"game": alf_games["pick_and_place_simple"]})
+    engine = sandbox._engine
+    step = engine.step
+
+    def hanging(commands):
+        entered.set()
+        release.wait()
+        return step(commands)
+
+    engine.step = hanging
+    def play():
+        with contextlib.suppress(Exception):  # the step ends on a closed sandbox
+            sandbox.step("look")
+
+    worker = threading.Thread(target=play, daemon=True)
+    worker.start()
+    assert entered.wait(10)
+    sandbox.close()
+    assert engine not in alfworld_adapter._IDLE_ENGINES
+    release.set()
+    worker.join(10)

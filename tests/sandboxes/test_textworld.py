@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -193,3 +194,70 @@ def test_registry_and_config():
     assert TextWorldSandbox(TextWorldSandbox.Config(snapshot="replay")).snapshot_kind is SnapshotKind.REPLAY
     with pytest.raises(ValueError, match="snapshot"):
         TextWorldSandbox.Config(snapshot="magic")
+
+
+def test_forks_into_fresh_sandboxes_neither_load_nor_reset_the_game(tw_games, monkeypatch):
+    """The sampler restores each child into a fresh sandbox: it rebuilds the wrapper stack from the snapshot around
+    a Z-machine of the pool (or a new one) instead of loading the game's .json and resetting."""
+    import textworld.envs.zmachine.jericho as tw_jericho
+    from textworld.generator.game import Game
+
+    from sandbox_adapters import textworld as tw_adapter
+
+    first, second = (str(g) for g in tw_games)
+    walkthrough = game_walkthrough(first)
+    with TextWorldSandbox() as parent:
+        parent.reset({"game": first})
+        parent.step(walkthrough[0])
+        snap = parent.snapshot()
+        expected = transcript([parent.step(a) for a in walkthrough[1:]])
+    with TextWorldSandbox() as other:  # leaves an idle Z-machine set up for the other story
+        other.reset({"game": second})
+    loads, resets = [], []
+    load, reset = Game.load, tw_jericho.JerichoEnv.reset
+    monkeypatch.setattr(Game, "load", staticmethod(lambda *a, **kw: (loads.append(1), load(*a, **kw))[1]))
+    monkeypatch.setattr(tw_jericho.JerichoEnv, "reset", lambda self: (resets.append(1), reset(self))[1])
+    for idle in ({first: []}, {second: list(tw_adapter._IDLE_VMS.get(second, []))[:1]}, {}):
+        monkeypatch.setattr(tw_adapter, "_IDLE_VMS", idle)  # none of this story / another story's / none at all
+        child = TextWorldSandbox()
+        child.restore(snap)
+        assert transcript([child.step(a) for a in walkthrough[1:]]) == expected
+        child.close()
+    assert not loads and not resets
+    assert expected[-1][1] > 0 and expected[-1][2]
+
+
+def test_closed_sandboxes_recycle_their_z_machine_unless_a_call_still_runs(tw_games, monkeypatch):
+    import threading
+
+    from sandbox_adapters import textworld as tw_adapter
+
+    monkeypatch.setattr(tw_adapter, "_IDLE_VMS", {})
+    game = str(tw_games[0])
+    with TextWorldSandbox() as sandbox:
+        sandbox.reset({"game": game})
+        vm = sandbox._jericho
+    assert tw_adapter._IDLE_VMS[game] == [vm]
+    with TextWorldSandbox() as again:
+        again.reset({"game": game})
+        assert again._jericho is vm  # the recycled machine, set up again for the story
+        release, entered = threading.Event(), threading.Event()
+        step = again._env.step
+
+        def hanging(command):
+            entered.set()
+            release.wait()
+            return step(command)
+
+        again._env.step = hanging
+        def play():
+            with contextlib.suppress(Exception):  # the step ends on a closed sandbox
+                again.step("look")
+
+        worker = threading.Thread(target=play, daemon=True)
+        worker.start()
+        assert entered.wait(10)
+        again.close()  # a quarantined sandbox is closed while its call still runs
+        assert vm not in tw_adapter._IDLE_VMS[game]
+        release.set()
+        worker.join(10)
