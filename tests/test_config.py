@@ -1,26 +1,64 @@
-"""Hydra composition of the BPO config on top of verl's ppo_trainer, and the checks `verl_bpo.main` runs first."""
+"""Hydra composition of the BPO config, the stock `main_ppo` hook, and every check both entry points run before Ray."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import verl
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import verl_bpo.integration
 from verl_bpo.core.config import BPOConfig
+from verl_bpo.data import sandbox_rows, write_sandbox_dataset
+from verl_bpo.integration import stock_launch
 from verl_bpo.integration.settings import AGENT_LOOPS_YAML, prepare_config, read_bpo_config, register_schema
 
 CONFIG_DIR = str(Path(verl_bpo.integration.__file__).parent / "config")
+VERL_CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
 register_schema()
 
 
-def compose_bpo(*overrides: str):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        return compose(config_name="bpo_trainer", overrides=["actor_rollout_ref.rollout.name=vllm", *overrides])
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A real verl dataset of smoke tasks (verl_bpo.data), used as train and val files."""
+    return write_sandbox_dataset(tmp_path_factory.mktemp("data") / "train.parquet",
+                                 sandbox_rows("smoke", [{"task_id": i} for i in range(3)], {"length": 3}))
 
 
-def test_bpo_trainer_composes_over_verls_ppo_trainer():
+def data_overrides(path) -> list[str]:
+    return [f"data.train_files={path}", f"data.val_files={path}"]
+
+
+@pytest.fixture()
+def compose_bpo(data):
+    """``bpo_trainer`` (what ``python -m verl_bpo.main`` composes) with the given overrides."""
+
+    def _compose(*overrides: str):
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+            return compose(config_name="bpo_trainer",
+                           overrides=["actor_rollout_ref.rollout.name=vllm", *data_overrides(data), *overrides])
+
+    return _compose
+
+
+def compose_stock(*overrides: str, config_dir: str = VERL_CONFIG_DIR, config_name: str = "ppo_trainer"):
+    """What verl's stock ``main_ppo`` composes, hydra node included (the callback sees it)."""
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name=config_name, overrides=["actor_rollout_ref.rollout.name=vllm", *overrides],
+                       return_hydra_config=True)
+
+
+def test_bpo_trainer_composes_over_verls_ppo_trainer(compose_bpo):
     cfg = compose_bpo("actor_rollout_ref.rollout.n=8", "bpo.k=4", "bpo.sandbox.name=textworld")
     assert cfg.algorithm.adv_estimator == "bpo"
     assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "bpo_tree"
@@ -32,7 +70,7 @@ def test_bpo_trainer_composes_over_verls_ppo_trainer():
     assert bpo.for_estimator("bpo").root_width(8) == 4
 
 
-def test_the_bpo_block_is_the_dataclass_schema():
+def test_the_bpo_block_is_the_dataclass_schema(compose_bpo):
     """The yaml declares no bpo field: hydra takes the block from BPOConfig, defaults and types included."""
     cfg = compose_bpo()
     assert read_bpo_config(cfg.bpo) == BPOConfig()
@@ -42,9 +80,6 @@ def test_the_bpo_block_is_the_dataclass_schema():
 
 
 def test_readme_table_lists_every_bpo_field_with_its_default():
-    import dataclasses
-    import re
-
     readme = (Path(CONFIG_DIR).parents[2] / "README.md").read_text()
     table = readme.split("### The `bpo:` block")[1].split("\n\n")[1]
     documented = {}
@@ -61,70 +96,245 @@ def test_readme_table_lists_every_bpo_field_with_its_default():
                          else str(default)), (name, shown, default)
 
 
-def test_grpo_baseline_gets_flat_groups_under_auto():
+def test_grpo_baseline_gets_flat_groups_under_auto(compose_bpo):
     cfg = compose_bpo("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8")
     bpo = prepare_config(cfg)
     assert bpo.for_estimator("grpo").is_flat(8) and bpo.for_estimator("grpo").root_width(8) == 8
 
 
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (["actor_rollout_ref.rollout.n=1"], "rollout.n=1 is the number of leaves"),
-        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.loss_agg_mode=token-mean"],
-         "loss_agg_mode=token-mean reweights"),
-        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"],
-         "set it to bpo_tree"),
-        (["actor_rollout_ref.rollout.n=4", "bpo.mode=flat"], "use adv_estimator=rloo"),
-        (["actor_rollout_ref.rollout.n=4", "+bpo.kk=2"], r"unknown bpo config key\(s\) \['kk'\]"),
-        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.use_kl_loss=True"], "use_kl_in_reward=True"),
-        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.entropy_coeff=0.01"], "entropy_coeff=0.01"),
-        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.loss_scale_factor=null"],
-         "loss_scale_factor=null"),
-        (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.calculate_log_probs=False"],
-         "calculate_log_probs=False"),
-        (["actor_rollout_ref.rollout.n=4", "bpo.sandbox.name=nosuch"], r"bpo.sandbox.name='nosuch'"),
-        (["actor_rollout_ref.rollout.n=4", "+bpo.sandbox.config.unknown_key=1"], r"unknown key\(s\) \['unknown_key'\]"),
-        (["actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=bpoo"], "Unknown advantage estimator"),
-        (["actor_rollout_ref.rollout.n=4", "bpo.score=vibes"], "bpo.score='vibes' is not valid"),
-        (["actor_rollout_ref.rollout.n=4", "bpo.k0=9"], r"bpo.k0=9 exceeds actor_rollout_ref.rollout.n=4"),
-    ],
-)
-def test_bad_settings_fail_before_anything_starts(overrides, message):
+# --- bad settings: each fails in prepare_config, before Ray, naming the key and the fix -------------------------
+
+BAD_SETTINGS = [
+    (["actor_rollout_ref.rollout.n=1"], r"actor_rollout_ref\.rollout\.n=1 is the number of leaves"),
+    (["actor_rollout_ref.rollout.n=4", "bpo.k0=9"], r"bpo\.k0=9 exceeds actor_rollout_ref\.rollout\.n=4.*bpo\.k0 <= 4"),
+    (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.loss_agg_mode=token-mean"],
+     "loss_agg_mode=token-mean reweights"),
+    (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"],
+     "set it to bpo_tree"),
+    (["actor_rollout_ref.rollout.n=4", "bpo.mode=flat"], "use adv_estimator=rloo"),
+    (["actor_rollout_ref.rollout.n=4", "+bpo.kk=2"], r"unknown bpo config key\(s\) \['kk'\]"),
+    (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.use_kl_loss=True"], "use_kl_in_reward=True"),
+    (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.entropy_coeff=0.01"], "entropy_coeff=0.01"),
+    (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.loss_scale_factor=null"], "loss_scale_factor=null"),
+    (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.calculate_log_probs=False"],
+     "calculate_log_probs=False"),
+    (["actor_rollout_ref.rollout.n=4", "bpo.sandbox.name=nosuch"],
+     r"bpo\.sandbox\.name='nosuch' is not a registered sandbox; choose one of"),
+    (["actor_rollout_ref.rollout.n=4", "+bpo.sandbox.config.unknown_key=1"],
+     r"bpo\.sandbox\.config: unknown key\(s\) \['unknown_key'\] for sandbox 'smoke'; valid keys"),
+    (["actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=bpoo"], "Unknown advantage estimator"),
+    (["actor_rollout_ref.rollout.n=4", "bpo.score=vibes"], "bpo.score='vibes' is not valid"),
+    (["actor_rollout_ref.rollout.n=4", "data.train_files=/nonexistent/train.parquet"],
+     r"data\.train_files=/nonexistent/train\.parquet does not exist .*point data\.train_files at the file"),
+    (["actor_rollout_ref.rollout.n=4", "data.val_files=[/nonexistent/val.parquet]"],
+     r"data\.val_files=/nonexistent/val\.parquet does not exist"),
+    (["actor_rollout_ref.rollout.n=4", "bpo.sandbox.name=swebench", "bpo.step_timeout_s=60"],
+     r"bpo\.step_timeout_s=60 is shorter than one step of sandbox 'swebench' may take within its own limits "
+     r"\(930 s with \{'command_timeout_s': 30\.0, 'grading_timeout_s': 300\.0\}.*Set bpo\.step_timeout_s >= 930"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_SETTINGS)
+def test_bad_settings_fail_before_anything_starts(compose_bpo, overrides, message):
     cfg = compose_bpo(*overrides)
     with pytest.raises(ValueError, match=message):
         prepare_config(cfg)
 
 
+def test_step_timeout_that_fits_the_sandbox_passes(compose_bpo):
+    cfg = compose_bpo("actor_rollout_ref.rollout.n=4", "bpo.sandbox.name=swebench", "bpo.step_timeout_s=1000")
+    assert prepare_config(cfg).step_timeout_s == 1000
+
+
+def write_rows(path: Path, sandbox: str, config: dict, agent_name: str = "bpo_tree") -> Path:
+    """Rows whose sandbox spec is written as given (sandbox_rows(render=False) does not build the sandbox)."""
+    rows = sandbox_rows("smoke", [{"task_id": 0}, {"task_id": 1}], {"length": 3}, agent_name=agent_name,
+                        render=False)
+    rows[1]["extra_info"]["sandbox"] = json.dumps({"name": sandbox, "config": config})
+    return write_sandbox_dataset(path, rows)
+
+
 @pytest.mark.parametrize(
-    "argv,exits",
+    "sandbox,config,extra,message",
+    [
+        ("nosuch", {}, [], r"extra_info\.sandbox of row 1 of data\.(train|val)_files=.*rows\.parquet: "
+                           r"bpo\.sandbox\.name='nosuch' is not a registered sandbox"),
+        ("smoke", {"unknown_key": 1}, [], r"row 1 of .*unknown key\(s\) \['unknown_key'\] for sandbox 'smoke'"),
+        ("swebench", {"grading_timeout_s": 600}, ["bpo.step_timeout_s=1000"],
+         r"bpo\.step_timeout_s=1000 is shorter .* 'swebench' .*\(1830 s .*from extra_info\.sandbox of row 1"),
+    ],
+)
+def test_the_sandbox_of_every_dataset_row_is_checked(compose_bpo, tmp_path, sandbox, config, extra, message):
+    rows = write_rows(tmp_path / "rows.parquet", sandbox, config)
+    cfg = compose_bpo("actor_rollout_ref.rollout.n=4", *data_overrides(rows), *extra)
+    with pytest.raises(ValueError, match=message):
+        prepare_config(cfg)
+
+
+def test_rows_of_another_agent_loop_are_refused_for_bpo_only(compose_bpo, tmp_path):
+    rows = write_rows(tmp_path / "rows.parquet", "smoke", {}, agent_name="tool_agent")
+    with pytest.raises(ValueError, match=r"row 0 has agent_name='tool_agent'.*agent_name=bpo_tree"):
+        prepare_config(compose_bpo("actor_rollout_ref.rollout.n=4", *data_overrides(rows)))
+    prepare_config(compose_bpo("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", *data_overrides(rows)))
+
+
+# --- verl's stock main_ppo ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,hooked",
     [
         (["python", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=bpo"], True),
-        (["python", "/x/verl/trainer/main_ppo.py", "++algorithm.adv_estimator='bpo'"], True),
-        (["python", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo"], False),
+        (["python", "/x/verl/trainer/main_ppo.py", "--config-name=mine"], True),
+        (["python", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo"], True),  # the callback decides
         (["python", "-m", "verl_bpo.main", "algorithm.adv_estimator=bpo"], False),
         (["/ray/default_worker.py", "--node-ip-address=1"], False),
     ],
 )
-def test_stock_launch_guard_only_fires_for_stock_main_ppo_with_bpo(argv, exits):
-    from verl_bpo.integration.stock_launch import check_stock_launch
+def test_the_hook_adds_the_callback_to_stock_main_ppo_only(monkeypatch, argv, hooked):
+    monkeypatch.delenv(stock_launch.STOCK_LAUNCH_ENV, raising=False)
+    args = list(argv[1:])
+    assert stock_launch.hook_stock_main_ppo(argv, args) is hooked
+    assert (stock_launch.CALLBACK_OVERRIDE in args) is hooked
+    stock_launch.hook_stock_main_ppo(argv, args)
+    assert args.count(stock_launch.CALLBACK_OVERRIDE) == int(hooked)  # idempotent
 
-    if exits:
-        with pytest.raises(SystemExit, match="python -m verl_bpo.main"):
-            check_stock_launch(argv)
-    else:
-        check_stock_launch(argv)
+
+@pytest.mark.parametrize("value", ["0", "false", "off"])
+def test_the_hook_can_be_turned_off(monkeypatch, value):
+    monkeypatch.setenv(stock_launch.STOCK_LAUNCH_ENV, value)
+    args = ["algorithm.adv_estimator=bpo"]
+    assert not stock_launch.hook_stock_main_ppo(["python", "-m", "verl.trainer.main_ppo", *args], args)
+    assert args == ["algorithm.adv_estimator=bpo"]
 
 
-def test_stock_main_ppo_with_bpo_fails_before_ray_or_models_with_the_fix():
-    import subprocess
-    import sys
+def test_bpo_defaults_replace_verls_defaults_only(data):
+    """Where the stock config holds verl's default, the bpo_trainer.yaml value applies (the keys verl_bpo.main
+    starts from); the verl defaults the hook compares with are verl's composed ppo_trainer."""
+    verl_default = compose_stock()
+    for key in stock_launch.bpo_defaults():
+        assert OmegaConf.select(verl_default, key) == OmegaConf.select(stock_launch._verl_defaults(), key), key
 
-    out = subprocess.run(
-        [sys.executable, "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=bpo",
-         "actor_rollout_ref.rollout.name=vllm"],
-        capture_output=True, text=True, timeout=180,
-    )
-    assert out.returncode != 0
-    assert "python -m verl_bpo.main" in out.stderr
-    assert "ray init" not in out.stdout.lower()
+
+def test_stock_cli_config_is_wired_for_bpo(monkeypatch, data):
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    cfg = compose_stock("algorithm.adv_estimator=bpo", "actor_rollout_ref.rollout.n=4", "+bpo.k=2",
+                        "data.max_response_length=96", *data_overrides(data))
+    stock_launch.StockLaunch().on_run_start(cfg)
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    assert cfg.trainer.v1.trainer_mode == "bpo"
+    assert actor.loss_agg_mode == "seq-mean-token-sum-norm" and actor.loss_scale_factor == 96
+    assert rollout.calculate_log_probs and rollout.agent.default_agent_loop == "bpo_tree"
+    assert rollout.agent.agent_loop_config_path == str(AGENT_LOOPS_YAML)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "verl_bpo.integration.trainer"
+    assert read_bpo_config(cfg.bpo).k == 2
+
+
+def test_the_trainer_mode_name_builds_bpo_trainer_in_sync_mode():
+    from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
+
+    from verl_bpo.integration.trainer import TRAINER_MODE, BPOTrainer
+
+    assert get_trainer_cls(TRAINER_MODE) is BPOTrainer and issubclass(BPOTrainer, PPOTrainerSync)
+
+
+def test_stock_external_modules_keep_the_users(monkeypatch, data):
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "my_pkg.ext")
+    cfg = compose_stock("algorithm.adv_estimator=bpo", "actor_rollout_ref.rollout.n=4", *data_overrides(data))
+    stock_launch.StockLaunch().on_run_start(cfg)
+    modules = cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES
+    assert modules == "my_pkg.ext,verl_bpo.integration.trainer"
+
+
+def test_stock_cli_keys_are_never_replaced(data):
+    cfg = compose_stock("algorithm.adv_estimator=bpo", "actor_rollout_ref.rollout.n=4",
+                        "actor_rollout_ref.actor.loss_agg_mode=token-mean", *data_overrides(data))
+    with pytest.raises(SystemExit, match=r"verl-bpo: actor_rollout_ref\.actor\.loss_agg_mode=token-mean reweights"):
+        stock_launch.StockLaunch().on_run_start(cfg)
+
+
+def test_stock_runs_without_bpo_are_left_alone(data):
+    cfg = compose_stock("algorithm.adv_estimator=grpo", "data.train_files=/nonexistent.parquet")
+    before = copy.deepcopy(OmegaConf.to_container(cfg))
+    callback = stock_launch.StockLaunch()
+    callback.on_run_start(cfg)
+    callback.on_job_start(cfg, task_function=None)
+    assert OmegaConf.to_container(cfg) == before
+
+
+BPO_YAML = """\
+hydra:
+  searchpath:
+    - pkg://verl.trainer.config
+defaults:
+  - ppo_trainer
+  - _self_
+algorithm:
+  adv_estimator: bpo
+actor_rollout_ref:
+  rollout:
+    n: 4
+bpo:
+  k: 2
+  step_timeout_s: {timeout}
+  sandbox:
+    name: {sandbox}
+"""
+
+
+def write_yaml(folder: Path, sandbox: str = "smoke", timeout: float = 60) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "my_bpo.yaml").write_text(BPO_YAML.format(sandbox=sandbox, timeout=timeout))
+    return folder
+
+
+def test_stock_yaml_config_is_wired_for_bpo(tmp_path, data):
+    cfg = compose_stock(*data_overrides(data), config_dir=str(write_yaml(tmp_path)), config_name="my_bpo")
+    assert cfg.algorithm.adv_estimator == "bpo"
+    stock_launch.StockLaunch().on_run_start(cfg)
+    assert cfg.trainer.v1.trainer_mode == "bpo" and cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "bpo_tree"
+
+
+def test_stock_multirun_is_refused_rather_than_run_unwired(data):
+    cfg = compose_stock("algorithm.adv_estimator=bpo", *data_overrides(data))
+    with pytest.raises(SystemExit, match="verl_bpo.main --multirun"):
+        stock_launch.StockLaunch().on_job_start(cfg, task_function=None)
+
+
+# --- as real commands: each bad setting fails within seconds, before Ray starts ---------------------------------
+
+STOCK = ["-m", "verl.trainer.main_ppo"]
+BPO_MAIN = ["-m", "verl_bpo.main"]
+
+
+def run_command(args: list[str], cwd: Path):
+    env = {k: v for k, v in os.environ.items() if k != stock_launch.STOCK_LAUNCH_ENV}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, *args, "actor_rollout_ref.rollout.name=vllm"], capture_output=True,
+                         text=True, timeout=300, cwd=cwd, env=env)
+    return out, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "entry,overrides,message",
+    [
+        (STOCK, ["algorithm.adv_estimator=bpo", "+bpo.sandbox.name=nosuch"],
+         r"bpo\.sandbox\.name='nosuch' is not a registered sandbox"),
+        (BPO_MAIN, ["+bpo.sandbox.config.unknown_key=1"], r"unknown key\(s\) \['unknown_key'\] for sandbox 'smoke'"),
+        (STOCK, ["algorithm.adv_estimator=bpo", "data.train_files=missing.parquet"],
+         r"data\.train_files=missing\.parquet does not exist"),
+        (BPO_MAIN, ["data.val_files=missing.parquet"], r"data\.val_files=missing\.parquet does not exist"),
+        (BPO_MAIN, ["actor_rollout_ref.rollout.n=1"], r"actor_rollout_ref\.rollout\.n=1 is the number of leaves"),
+        ("yaml", [], r"bpo\.step_timeout_s=60 is shorter than one step of sandbox 'swebench'"),
+    ],
+)
+def test_bad_settings_fail_within_seconds_before_ray_as_real_commands(tmp_path, data, entry, overrides, message):
+    if entry == "yaml":
+        entry = [*STOCK, f"--config-path={write_yaml(tmp_path / 'conf', 'swebench', 60)}", "--config-name=my_bpo"]
+    n = [] if any(o.startswith("actor_rollout_ref.rollout.n=") for o in overrides) else ["actor_rollout_ref.rollout.n=4"]
+    out, seconds = run_command([*entry, *data_overrides(data), *n, *overrides], tmp_path)
+    assert out.returncode != 0, out.stdout[-2000:]
+    assert re.search(message, out.stderr), out.stderr[-3000:]
+    assert "verl-bpo:" in out.stderr  # our message, not a traceback from deep inside a worker
+    assert "ray init" not in (out.stdout + out.stderr).lower()  # run_ppo prints "ray init kwargs" first
+    assert seconds < 90, f"took {seconds:.0f} s"

@@ -2,7 +2,7 @@
 
 verl's ``main_ppo`` with the BPO config (``config/bpo_trainer.yaml`` = verl's ``ppo_trainer`` + the ``bpo`` block,
 whose schema is :class:`~verl_bpo.core.config.BPOConfig`) and the BPO TaskRunner. Every check that can fail runs
-here, before Ray starts or any model loads.
+here, before Ray starts or any model loads; a failed one exits with its message.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ register_schema()  # before hydra composes bpo_trainer.yaml, whose defaults list
 
 @hydra.main(config_path="config", config_name="bpo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
-    prepare_config(config)
+    try:
+        prepare_config(config)
+    except ValueError as exc:
+        raise SystemExit(f"verl-bpo: {exc}") from None
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     from verl_bpo.integration.trainer import BPOTaskRunner  # verl's trainer stack, once the config is known good

@@ -2,7 +2,12 @@
 
 verl imports every ``verl.plugins`` entry point on ``import verl``, in every process (driver, TaskRunner, workers),
 so importing this module is what makes ``algorithm.adv_estimator=bpo`` resolvable everywhere. verl swallows plugin
-import errors at DEBUG level; ``python -c "import verl_bpo.plugin"`` shows them.
+import errors at DEBUG level; ``python -c "import verl_bpo.integration.plugin"`` shows them.
+
+In a process running verl's stock ``python -m verl.trainer.main_ppo``, it also adds the hydra callback that turns
+an ``algorithm.adv_estimator=bpo`` run into a BPO run and checks its settings before Ray starts
+(:mod:`verl_bpo.integration.stock_launch`; ``VERL_BPO_STOCK_LAUNCH=0`` turns that off). Other programs and Ray
+workers are untouched.
 
 The same hook registers the optional CPU platform (:mod:`verl_bpo.platforms.cpu`) when ``VERL_PLATFORM=cpu``;
 without that variable nothing platform-related is imported.
@@ -11,9 +16,9 @@ without that variable nothing platform-related is imported.
 import os
 
 from verl_bpo.integration import estimator  # noqa: F401  (registers "bpo" in verl's ADV_ESTIMATOR_REGISTRY)
-from verl_bpo.integration.stock_launch import check_stock_launch
+from verl_bpo.integration.stock_launch import hook_stock_main_ppo
 
-check_stock_launch()  # exits with the fix if verl's stock main_ppo was asked for adv_estimator=bpo
+hook_stock_main_ppo()
 
 if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
     from verl_bpo.platforms import cpu  # noqa: F401  (registers verl's "cpu" platform + the gloo shim)
