@@ -1,20 +1,28 @@
-"""Gradient variance of BPO vs RLOO vs GRPO at matched generated turns, on two synthetic regimes.
+"""Gradient variance of BPO vs RLOO vs GRPO on two synthetic regimes, at matched generated turns and matched rows.
 
-For each regime (verl_bpo.oracle.mdp: ``late_variance_mdp``, ``early_variance_mdp``) and estimator, grow many
-independent trees (flat groups for RLOO/GRPO) of N leaves through the production tree sampler on the tabular
-sandbox, compute each tree's policy-gradient estimate ĝ from the production credit, and report
+For each regime (``verl_bpo.oracle.mdp``: ``late`` — most return variance comes from the last decision; ``early``
+— the first decision settles the outcome) every estimator grows many trees of N = 16 (flat groups for RLOO/GRPO)
+through the production tree sampler on the tabular sandbox, and each tree's gradient estimate ĝ comes from the
+production credit. Reported, side by side in one run:
 
-    cost-matched variance = tr Cov(ĝ) × E[generated turns per tree]
+    turns-matched variance = tr Cov(ĝ) × E[generated turns per tree]    (rollout compute; native snapshots)
+    rows-matched variance  = tr Cov(ĝ) × E[leaf rows per tree]          (what the trainer pays for every leaf)
 
-i.e. the variance of the gradient averaged over a fixed budget of generated turns (a tree shares its prefixes, so it
-costs fewer turns than N independent rollouts). RLOO and BPO are unbiased, so their ratio compares like with like.
-GRPO's std scaling changes the gradient's scale, so GRPO ratios use the scale-free relative variance
-tr Cov(ĝ) × turns / ‖E ĝ‖².
+i.e. the variance of the gradient averaged over a fixed budget of turns, or of trainer rows. RLOO and BPO are
+unbiased and on one scale, so their ratio compares like with like; GRPO's std scaling changes the gradient's scale,
+so GRPO ratios use the scale-free tr Cov(ĝ) × turns / ‖E ĝ‖².
 
-    python benchmarks/variance.py            # full run (a few minutes on 2 cores)
-    python benchmarks/variance.py --quick    # under a minute
+BPO here is ``bpo.allocation=learned`` with ``bpo.budget=turns`` (the turns N flat rollouts would take):
+``--warmup`` exploration trees first (not counted), then every tree counts, the ``--explore-share`` of later
+exploration trees included. The fixed rule (K0 = 2, K = 8, the quantile selector on the next-token entropy, exactly N
+leaves) is reported beside it.
 
-Last line: {"late_bpo_over_rloo": .., "late_bpo_over_grpo": .., "early_bpo_over_rloo": ..}. Target: late <= 0.5.
+    python benchmarks/variance.py            # 20000 trees per cell (about 20 minutes on 2 cores)
+    python benchmarks/variance.py --quick    # 3000 trees per cell
+
+Last line: {"late_bpo_over_rloo": .., "early_bpo_over_rloo": .., "late_rows_bpo_over_rloo": ..,
+"early_rows_bpo_over_rloo": .., "late_bpo_over_grpo": .., ...}. Targets at matched turns: late <= 0.40,
+early <= 1.00.
 """
 
 from __future__ import annotations
@@ -26,71 +34,90 @@ import time
 import numpy as np
 
 from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.oracle.estimates import mean_turns, sample_trees, tree_gradients
 from verl_bpo.oracle.mdp import problem
 from verl_bpo.oracle.policy import TabularCodec
 
-N_LEAVES = 16
-ESTIMATORS = {
-    "bpo": BPOConfig(mode="tree", k0=2, k=8, selector="quantile", score="next_token_entropy", max_turns=8),
-    "rloo": BPOConfig(mode="flat", max_turns=8),
-    "grpo": BPOConfig(mode="flat", max_turns=8, baseline="mean_incl_self", scale="group_std"),
-}
+N_LEAVES, HORIZON = 16, 8
 REGIMES = ("late", "early")
 
 
-def measure(regime: str, estimator: str, n_trees: int, seed: int) -> dict[str, float]:
-    mdp, theta = problem(regime)
-    config = ESTIMATORS[estimator]
-    results = sample_trees(regime, {}, config, N_LEAVES, n_trees, seed=seed)
-    trees = [r.leaves for r in results]
-    grads = tree_gradients(theta, trees, TabularCodec(mdp), config, mdp.gamma)
-    flat = grads.reshape(n_trees, -1)
-    turns = mean_turns(trees)
+def configs(warmup: int, explore_share: float) -> dict[str, BPOConfig]:
+    return {
+        "bpo": BPOConfig(mode="tree", allocation="learned", budget="turns", max_leaves=8 * N_LEAVES,
+                         max_turns=HORIZON, warmup_trees=warmup, explore_share=explore_share),
+        "fixed": BPOConfig(mode="tree", k0=2, k=8, selector="quantile", score="next_token_entropy",
+                           max_turns=HORIZON),
+        "flat": BPOConfig(mode="flat", max_turns=HORIZON),
+    }
+
+
+def cell(grads: np.ndarray, turns: float, rows: float) -> dict[str, float]:
+    flat = grads.reshape(len(grads), -1)
     mean = flat.mean(axis=0)
     trace = float(flat.var(axis=0, ddof=1).sum())
-    late_turns = grads[:, 1:].reshape(n_trees, -1)  # decisions at depth >= 1
-    return {
-        "turns": turns,
-        "trace": trace,
-        "cost_var": trace * turns,
-        "rel_var": trace * turns / float(mean @ mean),
-        "depth1_cost_var": float(late_turns.var(axis=0, ddof=1).sum()) * turns,
-        "leaves": float(np.mean([len(t) for t in trees])),
-    }
+    return {"turns": turns, "rows": rows, "trace": trace, "turns_var": trace * turns, "rows_var": trace * rows,
+            "rel_var": trace * turns / float(mean @ mean)}
+
+
+def measure(regime: str, name: str, config: BPOConfig, n_trees: int, burn: int, seed: int) -> dict[str, dict]:
+    mdp, theta = problem(regime)
+    policy = ForkPolicy(config)
+    results = sample_trees(regime, {}, config, N_LEAVES, burn + n_trees, seed=seed, policy=policy)[burn:]
+    trees = [r.leaves for r in results]
+    turns, rows = mean_turns(trees), float(np.mean([len(t) for t in trees]))
+    codec = TabularCodec(mdp)
+    out = {name: cell(tree_gradients(theta, trees, codec, config, mdp.gamma), turns, rows)}
+    if name == "flat":  # the same flat groups, credited as RLOO and as GRPO
+        out = {"rloo": out["flat"], "grpo": cell(tree_gradients(
+            theta, trees, codec, BPOConfig(mode="flat", baseline="mean_incl_self", scale="group_std"), mdp.gamma),
+            turns, rows)}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer trees (under a minute)")
-    parser.add_argument("--trees", type=int, default=None, help="trees per (regime, estimator); default 20000")
+    parser.add_argument("--quick", action="store_true", help="3000 trees per cell")
+    parser.add_argument("--trees", type=int, default=None, help="trees per cell; default 20000")
+    parser.add_argument("--warmup", type=int, default=300, help="exploration trees before the profile decides")
+    parser.add_argument("--explore-share", type=float, default=0.02, help="share of later exploration trees")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     n_trees = args.trees or (3000 if args.quick else 20000)
 
     results: dict[str, dict[str, dict[str, float]]] = {}
-    print(f"N = {N_LEAVES} leaves per task, {n_trees} trees per cell, seed {args.seed}")
-    print(f"{'regime':7s} {'estimator':9s} {'turns':>7s} {'leaves':>6s} {'trCov':>9s} {'trCov*turns':>12s} "
-          f"{'relative':>9s} {'depth>=1':>9s} {'secs':>6s}")
+    print(f"N = {N_LEAVES}, horizon {HORIZON}, {n_trees} trees per cell, seed {args.seed}")
+    print(f"{'regime':7s} {'estimator':9s} {'turns':>7s} {'rows':>6s} {'trCov':>9s} {'x turns':>9s} {'x rows':>9s} "
+          f"{'relative':>9s} {'secs':>6s}")
     for regime in REGIMES:
         results[regime] = {}
-        for estimator in ESTIMATORS:
+        for name, config in configs(args.warmup, args.explore_share).items():
             start = time.perf_counter()
-            r = results[regime][estimator] = measure(regime, estimator, n_trees, args.seed)
-            print(f"{regime:7s} {estimator:9s} {r['turns']:7.1f} {r['leaves']:6.2f} {r['trace']:9.4f} "
-                  f"{r['cost_var']:12.4f} {r['rel_var']:9.2f} {r['depth1_cost_var']:9.4f} "
-                  f"{time.perf_counter() - start:6.1f}", flush=True)
+            burn = args.warmup if name == "bpo" else 0
+            cells = measure(regime, name, config, n_trees, burn, args.seed)
+            for estimator, r in cells.items():
+                results[regime][estimator] = r
+                print(f"{regime:7s} {estimator:9s} {r['turns']:7.1f} {r['rows']:6.1f} {r['trace']:9.4f} "
+                      f"{r['turns_var']:9.3f} {r['rows_var']:9.3f} {r['rel_var']:9.2f} "
+                      f"{time.perf_counter() - start:6.1f}", flush=True)
 
-    late, early = results["late"], results["early"]
-    summary = {
-        "late_bpo_over_rloo": round(late["bpo"]["cost_var"] / late["rloo"]["cost_var"], 4),
-        "late_bpo_over_grpo": round(late["bpo"]["rel_var"] / late["grpo"]["rel_var"], 4),
-        "early_bpo_over_rloo": round(early["bpo"]["cost_var"] / early["rloo"]["cost_var"], 4),
-        "late_depth1_bpo_over_rloo": round(late["bpo"]["depth1_cost_var"] / late["rloo"]["depth1_cost_var"], 4),
-        "early_depth1_bpo_over_rloo": round(early["bpo"]["depth1_cost_var"] / early["rloo"]["depth1_cost_var"], 4),
-        "trees": n_trees,
-        "n_leaves": N_LEAVES,
-    }
+    def ratio(regime: str, a: str, b: str, key: str) -> float:
+        return round(results[regime][a][key] / results[regime][b][key], 4)
+
+    summary = {}
+    for regime in REGIMES:
+        summary[f"{regime}_bpo_over_rloo"] = ratio(regime, "bpo", "rloo", "turns_var")
+    for regime in REGIMES:
+        summary[f"{regime}_rows_bpo_over_rloo"] = ratio(regime, "bpo", "rloo", "rows_var")
+    for regime in REGIMES:
+        summary[f"{regime}_bpo_over_grpo"] = ratio(regime, "bpo", "grpo", "rel_var")
+    for regime in REGIMES:
+        summary[f"{regime}_fixed_over_rloo"] = ratio(regime, "fixed", "rloo", "turns_var")
+    summary.update({f"{regime}_{est}_{key}": round(results[regime][est][key], 1)
+                    for regime in REGIMES for est in ("bpo", "rloo") for key in ("turns", "rows")})
+    summary.update({"trees": n_trees, "n_leaves": N_LEAVES, "warmup": args.warmup,
+                    "explore_share": args.explore_share})
     print(json.dumps(summary))
 
 

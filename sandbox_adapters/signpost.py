@@ -1,8 +1,9 @@
 """``SignpostSandbox``: a corridor whose outcome is decided at its end — routine moves first, one decisive choice last.
 
 The agent starts in room 1 of a corridor of ``Config.length`` rooms and walks east. The last room holds a red and
-a blue door and a sign naming the right one (the task id decides which): opening it wins (reward 1.0), opening the
-other loses (reward 0); either ends the episode, as does running out of ``Config.max_steps`` turns. Walking is
+a blue door and a sign naming the right one (``Config.right_door``: the task id decides, or one color for every
+task): opening it wins (reward 1.0), opening the other loses (reward 0); either ends the episode, as does running
+out of ``Config.max_steps`` turns. Walking is
 routine; reading the sign is the one decision that matters, and it comes last. This is the late-decision
 counterpart of the smoke corridor (:mod:`sandbox_adapters.smoke`), where the first moves decide.
 
@@ -52,16 +53,21 @@ class SignpostSandbox(Sandbox):
             num_tasks: how many task ids exist (default 128); task ``i`` has its own right door.
             max_steps: turns after which the episode ends unwon (default 8); turns without a valid action count.
             invalid_penalty: reward subtracted for a turn without a valid action (default 0.0).
+            right_door: ``task`` (default): the task id draws the right door, so the sign must be read; ``red`` or
+                ``blue``: that door for every task (the choice is still decided only at the end).
         """
 
         length: int = 4
         num_tasks: int = 128
         max_steps: int = 8
         invalid_penalty: float = 0.0
+        right_door: str = "task"
 
         def __post_init__(self) -> None:
             if self.length < 2:
                 raise ValueError(f"signpost: length must be >= 2, got {self.length}")
+            if self.right_door not in ("task", *COLORS):
+                raise ValueError(f"signpost: right_door must be 'task', 'red' or 'blue', got {self.right_door!r}")
             if self.num_tasks < 1 or self.max_steps < self.length:
                 raise ValueError("signpost: num_tasks must be >= 1 and max_steps >= length (the walk must fit)")
 
@@ -79,6 +85,8 @@ class SignpostSandbox(Sandbox):
         task_id = int(task["task_id"])
         if not 0 <= task_id < self.config.num_tasks:
             raise ValueError(f"signpost: task_id must be in [0, {self.config.num_tasks}), got {task_id}")
+        if self.config.right_door != "task":
+            return self.config.right_door
         return random.Random(7919 * task_id + self.config.length).choice(COLORS)
 
     def best_action(self) -> str:
@@ -143,8 +151,7 @@ class SignpostSandbox(Sandbox):
 
     def _describe(self) -> str:
         if self._room == self.config.length - 1:
-            return (f"Room {self._room + 1}. A sign says: take the {self._right} door. There are a red door and a "
-                    "blue door. Exits: west.")
+            return f"Room {self._room + 1}, the last. The sign says: {self._right}. Exits: west."
         exits = "east, west" if self._room > 0 else "east"
         return f"Room {self._room + 1}. The corridor goes on. Exits: {exits}."
 

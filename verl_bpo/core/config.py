@@ -108,6 +108,8 @@ class BPOConfig:
         epsilon: added to the standard deviation under ``scale=group_std``. Default 1e-6 (verl's GRPO value).
 
     sandbox: the default :class:`SandboxSpec`.
+    tree_log: a JSON-lines file the BPO trainer appends each training step's first tree to (its leaves' metadata,
+        returns, outcomes and the tree's metrics), for pictures and debugging; ``null`` (default) = none.
     """
 
     mode: str = "auto"
@@ -136,6 +138,7 @@ class BPOConfig:
     discount_weighting: str = "segment"
     epsilon: float = 1e-6
     sandbox: SandboxSpec = dataclasses.field(default_factory=SandboxSpec)
+    tree_log: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sandbox, Mapping):

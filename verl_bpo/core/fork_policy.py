@@ -250,18 +250,21 @@ class AllocationPlan(_BudgetedPlan):
     A node at depth d holding budget b gets K = stochastic_round(x) children, clamped to [1, b / C_d] (C_d: the
     expected cost of a path from d to its end; the root at least 2), with
 
-        turns, tokens:  x = b · √(D_d / c_d) / Σ_{j≥d} √(D_j c_j)     (minimises Σ_j D_j / n_j at cost Σ_j n_j c_j = b)
-        leaves:         x = b · √(D_d / max_{j≥d} D_j)                (n_j ∝ √D_j with b leaves at the deepest level)
+        turns, tokens:  x = b · √(w_d / c_d) / Σ_{j≥d} s_j √(w_j c_j)
+        leaves:         x = b · √(w_d / max_{j≥d} w_j)
 
-    where D is the non-decreasing allocation weight of :class:`~verl_bpo.core.profile.DepthProfile` and c_j the cost
-    of a depth-j turn. Under the model, variance × cost = (Σ_j √(D_j c_j))² ≤ (Σ c_j)(Σ D_j), RLOO's value
-    (Cauchy-Schwarz), with equality only for the flat tree: the allocation cannot lose to RLOO and becomes it when
-    the root decides everything.
+    where w is the non-decreasing weight per alive path of :class:`~verl_bpo.core.profile.DepthProfile`, c_j the
+    cost of a depth-j turn and s_j = S_j / S_d the chance a path alive at d reaches j. The first minimises the
+    gradient variance Σ_j S_j w_j / n_j at expected cost Σ_j S_j n_j c_j = b (n_j samples per alive path at depth
+    j); the second puts n_j ∝ √w_j with b leaves at the deepest level. Under the model, variance × cost =
+    (Σ_j S_j √(w_j c_j))² ≤ (Σ_j S_j c_j)(Σ_j S_j w_j), RLOO's value (Cauchy-Schwarz), with equality only for the
+    flat tree: the allocation cannot lose to RLOO and becomes it when the root decides everything.
     """
 
     def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:
         super().__init__(config, n_leaves, profile, rng)
         self.weight = profile.weights()
+        self.survival = profile.survival
         self.cost = profile.turn_cost(self.unit)
         self.cost_left = np.array([profile.cost_left(d, self.unit) for d in range(config.max_turns)])
         self.root_width = min(self.cap, max(2, self._width(0, self.root_budget)))
@@ -287,7 +290,8 @@ class AllocationPlan(_BudgetedPlan):
             high = budget
         else:
             cost = self.cost[depth:]
-            x = budget * math.sqrt(weight[0] / cost[0]) / float(np.sqrt(weight * cost).sum())
+            reach = self.survival[depth:] / max(self.survival[depth], 1e-12)
+            x = budget * math.sqrt(weight[0] / cost[0]) / float((reach * np.sqrt(weight * cost)).sum())
             high = budget / self.cost_left[depth]
         return max(1, self.stochastic_round(min(max(x, 1.0), max(high, 1.0))))
 

@@ -20,9 +20,10 @@ The allocation weight of depth j is the variance of the gradient that noise inje
 with a share σ_j = κ · min(e_j, 1 − e_j) · D^R_j moved one depth up (D_j = F_j − σ_j + σ_{j+1}; κ =
 ``bpo.profile_prior``). Returns alone cannot tell where the decisive action's expected gradient changes (a task
 and its twin whose success ignores the last action give the same returns and log-probs), so κ is a stated prior,
-not a hidden constant. Finally D is made non-decreasing in j (pool-adjacent-violators; a tree cannot have fewer
-samples deeper than shallower), and the profile is forgotten exponentially (``bpo.profile_window`` trees) so it
-follows training. Pure numpy.
+not a hidden constant. Finally the weight per path alive at depth j, w_j = D_j / S_j, is made non-decreasing in j
+(pool-adjacent-violators, weighted by S_j: along a path that goes on, a tree cannot have fewer samples deeper than
+shallower; paths that end are what makes the unconditional counts fall), and the profile is forgotten
+exponentially (``bpo.profile_window`` trees) so it follows training. Pure numpy.
 """
 
 from __future__ import annotations
@@ -73,14 +74,18 @@ def pool_adjacent_violators(values: np.ndarray, weights: np.ndarray | None = Non
 
 def allocation_weights(injected: np.ndarray, survival: np.ndarray, uncertainty: np.ndarray,
                        prior: float) -> np.ndarray:
-    """D_j from the injected return variance D^R, survival S and turn uncertainty e (module docstring)."""
+    """w_j, the non-decreasing weight per alive path, from the injected return variance D^R, survival S and turn
+    uncertainty e (module docstring); 0 at depths no path reaches."""
     mass = survival * uncertainty  # ē_j
     cumulative = np.cumsum(mass)  # U_j
     before = np.concatenate([[0.0], np.cumsum(injected)[:-1]])  # Σ_{i<j} D^R_i
     weights = cumulative * injected + mass * before
     moved = prior * np.minimum(uncertainty, 1.0 - uncertainty) * injected
-    weights = weights - moved + np.concatenate([moved[1:], [0.0]])
-    return pool_adjacent_violators(np.maximum(weights, 0.0))
+    weights = np.maximum(weights - moved + np.concatenate([moved[1:], [0.0]]), 0.0)
+    reached = survival > 0
+    per_path = np.zeros_like(weights)
+    per_path[reached] = pool_adjacent_violators(weights[reached] / survival[reached], survival[reached])
+    return per_path
 
 
 class DepthProfile:
@@ -170,14 +175,16 @@ class DepthProfile:
         return np.maximum(raw - np.sqrt(scaled_se[:-1] ** 2 + scaled_se[1:] ** 2), 0.0)
 
     def weights(self) -> np.ndarray:
-        """D_j, non-decreasing, from which the allocation takes its widths (all zero before any data)."""
+        """w_j, non-decreasing per alive path, from which the allocation takes its widths (all zero before any
+        data)."""
         return allocation_weights(self.injected_variance(), self.survival, self.uncertainty, self.prior)
 
     def metrics(self) -> dict[str, float]:
         """``bpo/profile/...``: per depth the injected return variance, the allocation weight (normalised to sum 1)
         and the survival, for the depths where trees were seen."""
         out = {"bpo/profile/trees": float(self.trees), "bpo/profile/explore_trees": float(self.explore_trees)}
-        injected, weights, survival = self.injected_variance(), self.weights(), self.survival
+        injected, survival = self.injected_variance(), self.survival
+        weights = self.weights() * survival
         total = weights.sum()
         for j in range(self.horizon):
             if survival[j] <= 0:

@@ -4,9 +4,10 @@ A randomly initialised tiny model almost never writes a valid action, so every r
 RL has nothing to compare. Before the CPU demo and the end-to-end tests train with RL, this module fine-tunes the
 tiny model (supervised, a few hundred steps on CPU) on transcripts of a **uniformly random** policy over the
 sandbox's admissible actions: the model learns the chat format and the action vocabulary, not which action is good.
-With ``expert_prob > 0`` (sandboxes that have ``best_action()``, such as smoke) a share of the turns imitate the
-sandbox's expert instead, like an SFT stage on noisy demonstrations: the model starts weak but not hopeless, and
-what it learns beyond that comes from RL.
+With ``expert_prob > 0`` a share of the turns imitate the sandbox's demonstrator instead (its ``demonstration(rng)``
+when it has one — the signpost corridor's walks east and picks a door at random —, else its ``best_action()``),
+like an SFT stage on noisy demonstrations: the model starts weak but not hopeless, and what it learns beyond that
+comes from RL.
 
     python -m verl_bpo.warm_start MODEL_DIR OUT_DIR --sandbox smoke --tasks 0-7
 """
@@ -33,13 +34,17 @@ def random_policy_chats(sandbox: str, sandbox_config: Mapping[str, Any] | None, 
                         episodes: int, max_turns: int, seed: int = 0,
                         expert_prob: float = 0.0) -> list[list[dict[str, str]]]:
     """Chats (system, user, assistant, user, ...) of a policy that picks admissible actions uniformly at random, or,
-    with probability ``expert_prob``, the sandbox's ``best_action()``."""
+    with probability ``expert_prob``, the sandbox's demonstrator (``demonstration(rng)``, else ``best_action()``)."""
     rng = random.Random(seed)
     box = make_sandbox(sandbox, sandbox_config)
-    if expert_prob > 0 and not hasattr(box, "best_action"):
+    if hasattr(box, "demonstration"):
+        demonstrate = lambda: box.demonstration(rng)  # noqa: E731
+    elif hasattr(box, "best_action"):
+        demonstrate = box.best_action
+    elif expert_prob > 0:
         box.close()
-        raise ValueError(f"warm start: expert_prob={expert_prob} needs a sandbox with best_action(); "
-                         f"{sandbox!r} has none, so use expert_prob=0")
+        raise ValueError(f"warm start: expert_prob={expert_prob} needs a sandbox with best_action() or "
+                         f"demonstration(); {sandbox!r} has neither, so use expert_prob=0")
     chats = []
     try:
         for i in range(episodes):
@@ -49,7 +54,7 @@ def random_policy_chats(sandbox: str, sandbox_config: Mapping[str, Any] | None, 
                     {"role": "user", "content": box.first_user_message(obs)}]
             for _ in range(max_turns):
                 if rng.random() < expert_prob:
-                    action = box.best_action()
+                    action = demonstrate()
                 else:
                     action = rng.choice(list(obs.info["admissible_commands"]))
                 chat.append({"role": "assistant", "content": action})

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from pprint import pprint
 from typing import Any
 
@@ -38,7 +40,7 @@ from verl_bpo.integration.batch_layout import batch_multiple, minibatch_rows, ro
 from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
 from verl_bpo.integration.settings import read_bpo_config
 
-__all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "tree_metrics", "batch_tree_call", "column"]
+__all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "tree_metrics", "batch_tree_call", "append_tree", "column"]
 
 # BPOTrainer's name in verl's trainer registry: verl's stock TaskRunner builds the trainer that
 # ``trainer.v1.trainer_mode`` names, so ``trainer_mode=bpo`` runs BPO through ``python -m verl.trainer.main_ppo``.
@@ -68,6 +70,19 @@ def tree_metrics(uids: list[Any], extra_fields: list[Any]) -> dict[str, float]:
     if leaves:
         out["bpo/failed_leaf_rate"] = failed / leaves
     return out
+
+
+def append_tree(path: str, step: int, uids: list[Any], extra_fields: list[Any]) -> None:
+    """Append the batch's first tree (every leaf's metadata and outcome, the tree's metrics) as one JSON line."""
+    first = next((u for u, e in zip(uids, extra_fields) if isinstance(e, dict) and TREE_METRICS_KEY in e), None)
+    if first is None:
+        return
+    rows = [e for u, e in zip(uids, extra_fields) if u == first and isinstance(e, dict) and META_KEY in e]
+    line = {"step": step, "uid": first, "leaves": [{"meta": e[META_KEY], **e.get("bpo_leaf", {})} for e in rows],
+            "metrics": next(e[TREE_METRICS_KEY] for e in rows if TREE_METRICS_KEY in e)}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def batch_tree_call(uids: list[Any], extra_fields: list[Any],
@@ -115,6 +130,9 @@ class BPOTrainer(PPOTrainerSync):
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "extra_fields"])
         uids, extra_fields = column(data, "uid"), column(data, "extra_fields")
         metrics.update(tree_metrics(uids, extra_fields))
+        log = (self.config.get("bpo") or {}).get("tree_log")
+        if log:
+            append_tree(log, self.global_steps, uids, extra_fields)
         if not self._trees_bpo:
             return super()._compute_advantage(batch, metrics)
         bpo_config = OmegaConf.to_container(self.config.bpo, resolve=True) if "bpo" in self.config else None
