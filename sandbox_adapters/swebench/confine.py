@@ -11,13 +11,17 @@ Every command the agent sends (and every git or grading step that reads agent-wr
   down loopback exists), the pid namespace (killing bubblewrap kills every process the command started, daemons
   included) and IPC/UTS. A write to a system directory fails with "Read-only file system", anywhere else outside
   the workspace and the throw-away ``/tmp`` with "No such file or directory".
-* **prlimit** (util-linux) sets address space, process count, file size and open-file limits. It is used rather
-  than ``preexec_fn``, which is unsafe in the multi-threaded processes (Ray, torch) this code runs in.
-* **setpriv** (util-linux) drops root to ``uid``. This matters: the kernel ignores ``RLIMIT_NPROC`` for root,
-  so without it a fork bomb would not be stopped; the workspace is chowned to that uid by the caller. When the
-  current process is not root, commands run as the current user and ``max_processes`` counts all of that user's
-  processes (a kernel property of ``RLIMIT_NPROC``).
-* A wall-clock timeout kills bubblewrap's process group; the pid namespace takes every descendant down with it.
+* **the sandbox's cgroup** (``limits.Cgroup``, when given): every command starts inside it, so memory, processes
+  and CPU are limited for all processes of the sandbox together, and :meth:`Confinement.kill_all` can stop every
+  one of them. ``/tmp`` is a tmpfs of ``Budget.tmp_bytes``, charged to that memory budget.
+* **prlimit** (util-linux) sets per-process address space, file size and open-file limits (and, only without a
+  cgroup, the process count). It is used rather than ``preexec_fn``, which is unsafe in the multi-threaded
+  processes (Ray, torch) this code runs in.
+* **setpriv** (util-linux) drops root to ``uid``; the workspace is chowned to that uid by the caller. Without a
+  cgroup, the fork-bomb limit is ``RLIMIT_NPROC``, which the kernel ignores for root and counts over all
+  processes of the uid.
+* A wall-clock timeout kills bubblewrap's process group (the pid namespace takes every descendant down with it)
+  and everything in the cgroup.
 
 The Python interpreter's directories (``sys.prefix``, ``sys.base_prefix``) are made visible, also when they sit
 under a directory other users cannot enter (pyenv under a 0700 ``/root``), so the unprivileged uid can run the
@@ -26,6 +30,7 @@ same ``python``/``pytest`` as the host.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -33,7 +38,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Mapping, Sequence
+
+from sandbox_adapters.swebench.limits import Cgroup
 
 __all__ = [
     "Limits", "RunResult", "Confinement", "ConfinementUnavailable", "chown_tree", "deterministic_env", "bwrap_path",
@@ -59,6 +67,7 @@ class Limits:
         max_processes: process/thread limit of the sandbox uid (``RLIMIT_NPROC``; stops fork bombs).
         max_file_bytes: largest file a process may write (``RLIMIT_FSIZE``; also bounds the captured output).
         max_open_files: open file descriptors per process (``RLIMIT_NOFILE``).
+        tmp_bytes: size of the command's private ``/tmp`` (a tmpfs).
     """
 
     timeout_s: float = 30.0
@@ -66,6 +75,7 @@ class Limits:
     max_processes: int = 64
     max_file_bytes: int = 64 << 20
     max_open_files: int = 256
+    tmp_bytes: int = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +191,7 @@ class Confinement:
         extra_ro_paths: further host paths made readable inside (everything outside ``SYSTEM_DIRS`` and the
             interpreter is invisible otherwise).
         max_output_bytes: how much of the output is kept.
+        cgroup: the sandbox's cgroup every command starts in (None: per-process limits only).
     """
 
     def __init__(
@@ -192,6 +203,7 @@ class Confinement:
         path_prefix: Sequence[str] = (),
         extra_ro_paths: Sequence[str] = (),
         max_output_bytes: int = 1 << 20,
+        cgroup: Cgroup | None = None,
     ) -> None:
         bwrap, prlimit, setpriv = bwrap_path(), shutil.which("prlimit"), shutil.which("setpriv")
         missing = [n for n, p in (("bwrap (apt-get install bubblewrap)", bwrap), ("prlimit", prlimit),
@@ -204,18 +216,25 @@ class Confinement:
         self.max_output_bytes = max_output_bytes
         self.drop_to_uid = uid if os.geteuid() == 0 else None
         self.env = deterministic_env(path_prefix)
+        self.cgroup = cgroup
         self._bwrap = bwrap
         self._prefix = self._build_prefix(bwrap, prlimit, setpriv, [*_interpreter_paths(), *extra_ro_paths])
+        self._running: set[subprocess.Popen] = set()
+        self._running_lock = threading.Lock()
 
     def _build_prefix(self, bwrap: str, prlimit: str, setpriv: str, ro_paths: Sequence[str]) -> list[str]:
-        args = [bwrap, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox",
-                "--die-with-parent", "--new-session", "--tmpfs", "/"]
-        args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
+        args = self.cgroup.prefix() if self.cgroup is not None else []
+        args += [bwrap, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname",
+                 "sandbox", "--die-with-parent", "--new-session", "--tmpfs", "/"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(self.limits.tmp_bytes),
+                 "--tmpfs", "/tmp"]
         args += _root_args(ro_paths)
         args += ["--bind", self.workspace, self.mount_point, "--chdir", self.mount_point, "--"]
         lim = self.limits
-        args += [prlimit, f"--as={lim.memory_bytes}", f"--nproc={lim.max_processes}",
-                 f"--fsize={lim.max_file_bytes}", f"--nofile={lim.max_open_files}", "--core=0", "--"]
+        # with a cgroup the process limit is the sandbox's (pids.max); RLIMIT_NPROC would count the whole uid
+        nproc = [f"--nproc={lim.max_processes}"] if self.cgroup is None else []
+        args += [prlimit, f"--as={lim.memory_bytes}", *nproc, f"--fsize={lim.max_file_bytes}",
+                 f"--nofile={lim.max_open_files}", "--core=0", "--"]
         if self.drop_to_uid is not None:
             uid = str(self.drop_to_uid)
             args += [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
@@ -243,19 +262,21 @@ class Confinement:
                 raise
             finally:
                 os.close(cwd_write)
+            with self._running_lock:
+                self._running.add(proc)
             timed_out = False
             try:
                 proc.communicate(input=stdin, timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                # bwrap leads its own process group; its death tears down the whole pid namespace
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                self._kill(proc)
             except BaseException:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                self._kill(proc)
                 os.close(cwd_read)
                 raise
+            finally:
+                with self._running_lock:
+                    self._running.discard(proc)
             os.set_blocking(cwd_read, False)
             try:
                 reported = os.read(cwd_read, 4096).decode("utf-8", "replace").strip() or None
@@ -273,6 +294,28 @@ class Confinement:
             truncated=truncated,
             cwd=reported,
         )
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        # bwrap leads its own process group; its death tears down the whole pid namespace, and the cgroup holds
+        # whatever else the command started
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if self.cgroup is not None:
+            self.cgroup.kill()
+        proc.wait()
+
+    def kill_all(self) -> None:
+        """Kill every running command of this confinement and every process in its cgroup, and wait for them;
+        the commands' ``run`` calls return as timed out."""
+        with self._running_lock:
+            running = list(self._running)
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self.cgroup is not None:
+            self.cgroup.kill()
+        for proc in running:
+            proc.wait()
 
 
 def chown_tree(root: str, uid: int | None) -> None:

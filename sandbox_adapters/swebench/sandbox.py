@@ -1,9 +1,8 @@
-"""``SWEBenchSandbox``: a local repository sandbox graded by the real SWE-bench code.
+"""``SWEBenchSandbox``: a repository sandbox graded by the real SWE-bench code, locally or in Docker images.
 
 The agent works in a git checkout of the task's repository, seen at ``/testbed``. Each turn is one action:
 
-* a fenced shell block, run once in a fresh confined ``bash`` (no network, host read-only, limits; see
-  ``confine``)::
+* a fenced shell block, run once in a fresh sandboxed ``bash`` (no network, read-only system, limits)::
 
       ```bash
       pytest -q tests/
@@ -19,28 +18,41 @@ The agent works in a git checkout of the task's repository, seen at ``/testbed``
 
 Shell state does not persist between turns, except the current directory: a ``cd`` in one turn carries over to
 the next. So the sandbox state is exactly *the directory plus the cwd*, and a snapshot of the directory
-(overlayfs layers or an in-memory file copy, see ``workspace``) is exact. Observations are the command's
+(overlayfs layers or an in-memory record, see ``workspace``) is exact. Observations are the command's
 interleaved stdout/stderr with timing strings (``in 0.51s``, ``real 0m0.01s``), memory addresses and clock
 timestamps masked, then the exit status.
 
+Backends (``Config.backend``):
+
+* ``"local"``: commands run under bubblewrap on the host's system directories and this interpreter (``confine``).
+  Tasks carry ``repo_path``, a local git checkout that contains ``base_commit`` (or it sits at
+  ``Config.repos_dir/<instance_id>``); ``tasks`` generates such tasks.
+* ``"docker"``: commands run in a fresh container of the instance's image (``docker``): SWE-bench Verified's
+  ``swebench/sweb.eval.x86_64.<id>`` images provide the toolchain and ``/testbed``. The image's ``/testbed`` is
+  extracted once per image into ``Config.docker_cache_dir`` and the sandbox's workspace (the same overlay or
+  memory snapshots as locally) is bind-mounted over it, so a fork costs what it costs locally.
+  ``python -m verl_bpo.data.prepare swebench --backend docker`` maps a local copy of the dataset to image names.
+
+Limits (one budget per sandbox, ``limits``): all processes of a sandbox together get ``Config.memory_bytes`` of
+memory, ``max_processes`` processes and ``cpus`` CPUs (a cgroup locally, the container's cgroup in Docker); its
+``/testbed`` lives on a ``disk_bytes`` filesystem of its own; ``/tmp`` is a ``tmp_bytes`` tmpfs inside the memory
+budget. ``close()``, also while a command runs, first kills every process of the sandbox, then deletes its files.
+These need root (as SWE sandboxes on this project's machines run); without it (``Config.budget="auto"``) the local
+backend falls back to per-process limits, which a multi-process command can exceed.
+
 Reward: at ``submit``, or when ``Config.max_steps`` actions have been taken, the agent's diff against
-``base_commit`` is graded on a fresh copy of the pristine checkout with SWE-bench's ``make_test_spec`` +
-``get_eval_report`` (``grading``); 1.0 when the instance is resolved, else 0.0.
+``base_commit``, without the files that could change how the tests run (``protected``), is graded on a fresh
+copy of the pristine checkout with SWE-bench's ``make_test_spec`` + ``get_eval_report`` (``grading``): the
+instance's ``eval_script`` runs in the sandbox (in its image with the Docker backend). 1.0 when the instance is
+resolved, else 0.0.
 
 Task specification: an instance in the SWE-bench 5 schema (``instance_id``, ``repo``, ``version``,
 ``base_commit``, ``problem_statement``, ``FAIL_TO_PASS``, ``PASS_TO_PASS``, ``eval_script``, ``log_parser``,
-``eval_type``, ``image``, ...) plus ``repo_path``, a local git checkout that contains ``base_commit`` (or put the
-checkout at ``Config.repos_dir/<instance_id>``). ``tasks`` generates such tasks.
-Official SWE-bench instances (``load_swebench_dataset`` reads a local parquet/JSON copy of the dataset) go through
-the same code path: clone each repository at ``base_commit`` into ``Config.repos_dir/<instance_id>``, install its
-test dependencies into an interpreter and point ``Config.python_bin_dir`` (plus ``extra_ro_paths``) at it. Their
-``eval_script`` runs at ``/testbed`` as in the official images, but lines that activate the images' conda env
-(``source /opt/miniconda3/bin/activate``) must then be dropped or point at that interpreter. No Docker backend is
-shipped: the official images need a Docker engine and Docker Hub, neither of which CI (or this machine) has.
+``eval_type``, ``image``, ...), which ``load_swebench_dataset`` reads from a local parquet/JSON copy of a dataset.
 
-Requirements: Linux, ``bwrap`` (Debian package ``bubblewrap``), util-linux ``prlimit``/``setpriv``, ``git``,
-``pytest`` in the sandbox interpreter, and ``swebench`` (5.x) for grading. overlayfs needs root; otherwise (or
-with ``snapshot_backend="memory"``) snapshots are in-memory copies.
+Requirements: Linux, ``git`` and ``swebench`` (5.x) for grading; locally ``bwrap`` (Debian ``bubblewrap``),
+util-linux ``prlimit``/``setpriv`` and ``pytest`` in the sandbox interpreter; for Docker an engine (Debian
+``docker.io``, started as ``dockerd --bridge=none --iptables=false``) holding the instance images.
 """
 
 from __future__ import annotations
@@ -65,8 +77,17 @@ from sandbox_adapters.base import (
     StepResult,
 )
 from sandbox_adapters.swebench.confine import Confinement, ConfinementUnavailable, Limits, bwrap_path
-from sandbox_adapters.swebench.grading import extract_patch, grade_patch, swebench_available
+from sandbox_adapters.swebench.docker import (
+    DockerRunner,
+    DockerUnavailable,
+    docker_available,
+    instance_image_name,
+    testbed_layer,
+)
+from sandbox_adapters.swebench.grading import Runner, extract_patch, grade_patch, swebench_available
+from sandbox_adapters.swebench.limits import Budget, Cgroup, QuotaDisk, cgroups_available, quota_disks_available
 from sandbox_adapters.swebench.workspace import (
+    Layer,
     MemoryWorkspace,
     OverlayWorkspace,
     Workspace,
@@ -131,11 +152,6 @@ def parse_swe_action(text: str) -> str | None:
     return None
 
 
-def _close_workspaces(workspaces: list[Workspace]) -> None:
-    while workspaces:
-        workspaces.pop().close()
-
-
 @dataclasses.dataclass(frozen=True)
 class _Payload:
     """A SWE snapshot payload: the directory state (layers/file copy) and the small dict beside it."""
@@ -149,47 +165,73 @@ class _Payload:
 
 
 class SWEBenchSandbox(Sandbox):
-    """Local repository sandbox; see the module docstring for actions, state, reward and requirements."""
+    """Repository sandbox; see the module docstring for actions, state, backends, limits, reward and requirements."""
 
     @dataclasses.dataclass
     class Config:
         """Keys accepted under ``bpo.sandbox.config`` for ``name=swebench``.
 
         Attributes:
-            repos_dir: directory holding ``<instance_id>/`` checkouts, used when a task has no ``repo_path``
-                (default None: every task must carry ``repo_path``).
+            backend: ``"local"`` (default: bubblewrap on this host, tasks with local checkouts) or ``"docker"``
+                (each command in a fresh container of the instance's image).
+            repos_dir: directory holding ``<instance_id>/`` checkouts, used by the local backend when a task has
+                no ``repo_path`` (default None: every task must carry ``repo_path``).
+            docker_image: image of every task (default None: the task's ``image``, else the name the SWE-bench
+                harness derives from its ``instance_id``, ``swebench/sweb.eval.x86_64.<id>:latest``).
+            docker_cache_dir: where each image's ``/testbed`` is extracted once (default
+                ``~/.cache/verl-bpo/swe-testbeds``).
+            docker_binary: the docker client (default ``docker``).
             snapshot_backend: ``"auto"`` (default: overlayfs when a probe mount succeeds, else in-memory),
-                ``"overlay"`` (fail if overlayfs cannot be mounted) or ``"memory"`` (in-memory file copies).
+                ``"overlay"`` (fail if overlayfs cannot be mounted) or ``"memory"`` (in-memory records).
             max_steps: actions after which the episode ends and is graded as if submitted (default 30; invalid
                 turns count too, so a model that never acts still ends).
             command_timeout_s: wall-clock limit of one command (default 30.0); a command that runs longer is
                 killed with all its processes and the agent sees a timeout message.
             grading_timeout_s: wall-clock limit of each grading stage: patch extraction, patch application and
                 the eval script (default 300.0); an eval that runs longer counts as "Tests Timed Out".
-            memory_bytes: address-space limit of each sandboxed process (default 2 GiB).
-            max_processes: process limit of the sandbox uid (default 64; stops fork bombs).
+            budget: ``"auto"`` (default: one cgroup and one disk quota per sandbox where this process can make
+                them, i.e. as root; else per-process limits only) or ``"required"`` (fail without them).
+            memory_bytes: memory of the whole sandbox, all its processes and ``/tmp`` together (default 2 GiB);
+                also each process's address-space limit.
+            max_processes: processes and threads of the whole sandbox at once (default 128; stops fork bombs).
+            cpus: CPU time of the whole sandbox, in CPUs (default 1.0; 0 = unlimited).
+            disk_bytes: size of the sandbox's own filesystem that holds what it writes to ``/testbed``: the
+                overlay's changes (snapshots of the sandbox included), or the whole directory with the memory
+                backend (default 2 GiB).
+            tmp_bytes: size of ``/tmp`` (memory-backed; counts towards ``memory_bytes``; default 256 MiB).
             max_file_bytes: largest file a sandboxed process may write (default 64 MiB).
+            max_snapshot_bytes: changed file contents one in-memory snapshot may hold (default 256 MiB; a larger
+                snapshot fails, so the sampler does not fork there).
             max_output_chars: characters of command output shown to the agent; the middle of longer output is
                 cut (default 8000).
             sandbox_uid: unprivileged uid/gid that commands run as when this process is root (default 65534,
-                "nobody"); the workspace is owned by it. Processes of this uid count towards ``max_processes``
-                across all sandboxes running at once.
-            python_bin_dir: directory put first on ``PATH`` inside the sandbox, so ``python``/``pytest`` are those
-                of this interpreter (default: the directory of ``sys.executable``).
-            extra_ro_paths: host paths the commands may read besides the system directories and the interpreter
-                (default none: the rest of the host, task data and gold patches included, is invisible to the
-                agent). Add e.g. a toolchain under ``/opt`` that the repository's tests need.
+                "nobody"); the workspace is owned by it.
+            python_bin_dir: local backend: directory put first on ``PATH`` inside the sandbox, so
+                ``python``/``pytest`` are those of this interpreter (default: the directory of ``sys.executable``).
+            extra_ro_paths: local backend: host paths the commands may read besides the system directories and the
+                interpreter (default none: the rest of the host, task data and gold patches included, is
+                invisible to the agent). Add e.g. a toolchain under ``/opt`` that the repository's tests need.
             max_layers: overlay stack depth above which a snapshot flattens the stack (default 24).
         """
 
+        backend: str = "local"
         repos_dir: str | None = None
+        docker_image: str | None = None
+        docker_cache_dir: str = dataclasses.field(
+            default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "verl-bpo", "swe-testbeds"))
+        docker_binary: str = "docker"
         snapshot_backend: str = "auto"
         max_steps: int = 30
         command_timeout_s: float = 30.0
         grading_timeout_s: float = 300.0
+        budget: str = "auto"
         memory_bytes: int = 2 << 30
-        max_processes: int = 64
+        max_processes: int = 128
+        cpus: float = 1.0
+        disk_bytes: int = 2 << 30
+        tmp_bytes: int = 256 << 20
         max_file_bytes: int = 64 << 20
+        max_snapshot_bytes: int = 256 << 20
         max_output_chars: int = 8000
         sandbox_uid: int = 65534
         python_bin_dir: str = dataclasses.field(default_factory=lambda: os.path.dirname(sys.executable))
@@ -197,16 +239,19 @@ class SWEBenchSandbox(Sandbox):
         max_layers: int = 24
 
         def __post_init__(self) -> None:
+            if self.backend not in ("local", "docker"):
+                raise ValueError(f"swebench: backend must be local|docker, got {self.backend!r}")
             if self.snapshot_backend not in ("auto", "overlay", "memory"):
                 raise ValueError(
                     f"swebench: snapshot_backend must be auto|overlay|memory, got {self.snapshot_backend!r}")
+            if self.budget not in ("auto", "required"):
+                raise ValueError(f"swebench: budget must be auto|required, got {self.budget!r}")
             if self.max_steps < 1 or self.max_output_chars < 100 or self.max_layers < 2:
                 raise ValueError("swebench: max_steps >= 1, max_output_chars >= 100 and max_layers >= 2 required")
-
-        def min_step_timeout_s(self) -> float:
-            """The longest a call may take within these limits (``registry.min_step_timeout_s``): the step at
-            ``max_steps`` runs a command, then grades (patch extraction, application, eval script)."""
-            return self.command_timeout_s + 3 * self.grading_timeout_s
+            if min(self.memory_bytes, self.max_processes, self.disk_bytes, self.tmp_bytes) <= 0 or self.cpus < 0:
+                raise ValueError("swebench: memory_bytes, max_processes, disk_bytes and tmp_bytes must be > 0 and "
+                                 "cpus >= 0")
+            self.extra_ro_paths = tuple(self.extra_ro_paths)
 
     name: ClassVar[str] = "swebench"
     deterministic: ClassVar[bool] = True
@@ -214,31 +259,41 @@ class SWEBenchSandbox(Sandbox):
 
     def __init__(self, config: Config | None = None) -> None:
         super().__init__()
-        self.config = config or self.Config()
-        if bwrap_path() is None:
+        self.config = cfg = config or self.Config()
+        if cfg.backend == "local" and bwrap_path() is None:
             raise ConfinementUnavailable(
                 "SWEBenchSandbox confines commands with bubblewrap; install it (Debian/Ubuntu: apt-get install "
                 "bubblewrap)"
             )
-        backend = self.config.snapshot_backend
+        if cfg.backend == "docker" and not docker_available(cfg.docker_binary):
+            raise DockerUnavailable("swebench: backend='docker' but no Docker engine answers; start one with "
+                                    "`dockerd --bridge=none --iptables=false` (Debian package docker.io)")
+        backend = cfg.snapshot_backend
         if backend == "auto":
             backend = "overlay" if overlay_supported() else "memory"
         elif backend == "overlay" and not overlay_supported():
             raise RuntimeError("swebench: snapshot_backend='overlay' but this process cannot mount overlayfs "
                                "(it needs root / CAP_SYS_ADMIN); use 'memory' or 'auto'")
         self.backend = backend
-        self.uid = self.config.sandbox_uid if os.geteuid() == 0 else None
+        self.has_budget = cgroups_available() and quota_disks_available()
+        if cfg.budget == "required" and not self.has_budget:
+            raise RuntimeError("swebench: budget='required' but this process cannot make cgroups and loop-mounted "
+                               "disks (it needs root); use budget='auto' for per-process limits only")
+        self.uid = cfg.sandbox_uid if os.geteuid() == 0 else None
         self.limits = Limits(
-            timeout_s=self.config.command_timeout_s,
-            memory_bytes=self.config.memory_bytes,
-            max_processes=self.config.max_processes,
-            max_file_bytes=self.config.max_file_bytes,
+            timeout_s=cfg.command_timeout_s,
+            memory_bytes=cfg.memory_bytes,
+            max_processes=cfg.max_processes,
+            max_file_bytes=cfg.max_file_bytes,
+            tmp_bytes=cfg.tmp_bytes,
         )
+        self.budget = Budget(cfg.memory_bytes, cfg.max_processes, cfg.cpus, cfg.disk_bytes, cfg.tmp_bytes)
         self._workspace: Workspace | None = None
-        self._confinement: Confinement | None = None
-        # a sandbox dropped without close() must not leave a mount or a temp dir behind
-        self._open_workspaces: list[Workspace] = []
-        weakref.finalize(self, _close_workspaces, self._open_workspaces)
+        self._runner: Runner | None = None
+        self._cgroup: Cgroup | None = None
+        # a sandbox dropped without close() must not leave a process, mount or temp dir behind
+        self._resources = _Resources()
+        weakref.finalize(self, self._resources.close)
         self._cwd = MOUNT_POINT
         self._steps = 0
 
@@ -265,29 +320,40 @@ class SWEBenchSandbox(Sandbox):
         return parse_swe_action(text)
 
     # --- engine hooks ---------------------------------------------------------------------------------------
-    def _make_confinement(self, directory: str, max_output_bytes: int | None = None) -> Confinement:
-        """Confinement of ``directory``; agent commands keep a few times what is shown, grading keeps it all."""
-        return Confinement(
-            directory,
-            self.limits,
-            uid=self.config.sandbox_uid,
-            mount_point=MOUNT_POINT,
-            path_prefix=[self.config.python_bin_dir],
-            extra_ro_paths=[self.config.python_bin_dir, *self.config.extra_ro_paths],
-            max_output_bytes=max_output_bytes or 4 * self.config.max_output_chars + 4096,
-        )
+    def _image(self, task: Mapping[str, Any]) -> str:
+        return self.config.docker_image or instance_image_name(task)
 
-    def _make_grading_confinement(self, directory: str) -> Confinement:
-        return self._make_confinement(directory, max_output_bytes=self.config.max_file_bytes)
+    def _make_runner(self, directory: str, max_output_bytes: int | None = None) -> Runner:
+        """A runner for ``directory`` at ``/testbed``; agent commands keep a few times what is shown, grading all."""
+        cfg = self.config
+        keep = max_output_bytes or 4 * cfg.max_output_chars + 4096
+        if cfg.backend == "docker":
+            runner: Runner = DockerRunner(
+                directory, self._image(self.task), self.limits, memory_bytes=cfg.memory_bytes,
+                max_processes=cfg.max_processes, cpus=cfg.cpus, uid=self.uid, mount_point=MOUNT_POINT,
+                max_output_bytes=keep, binary=cfg.docker_binary)
+        else:
+            runner = Confinement(
+                directory, self.limits, uid=cfg.sandbox_uid, mount_point=MOUNT_POINT,
+                path_prefix=[cfg.python_bin_dir], extra_ro_paths=[cfg.python_bin_dir, *cfg.extra_ro_paths],
+                max_output_bytes=keep, cgroup=self._cgroup)
+        self._resources.runners.add(runner)
+        return runner
+
+    def _make_grading_runner(self, directory: str) -> Runner:
+        return self._make_runner(directory, max_output_bytes=self.config.max_file_bytes)
 
     def _ensure_workspace(self) -> Workspace:
         if self._workspace is None:
+            cfg = self.config
+            if self.has_budget and cfg.backend == "local" and self._cgroup is None:
+                self._cgroup = self._resources.cgroup = Cgroup(self.budget)
+            disk = QuotaDisk(cfg.disk_bytes) if self.has_budget else None
             if self.backend == "overlay":
-                self._workspace = OverlayWorkspace(self.uid, self.config.max_layers)
+                self._workspace = OverlayWorkspace(self.uid, cfg.max_layers, disk)
             else:
-                self._workspace = MemoryWorkspace(self.uid)
-            self._open_workspaces.append(self._workspace)
-            self._confinement = self._make_confinement(self._workspace.path)
+                self._workspace = MemoryWorkspace(self.uid, disk, cfg.max_snapshot_bytes)
+            self._resources.workspaces.append(self._workspace)
         return self._workspace
 
     def _repo_path(self, task: Mapping[str, Any]) -> str:
@@ -296,23 +362,38 @@ class SWEBenchSandbox(Sandbox):
             path = os.path.join(self.config.repos_dir, task["instance_id"])
         if path is None or not os.path.isdir(os.path.join(path, ".git")):
             raise ValueError(f"swebench: task {task.get('instance_id')!r} has no local git checkout "
-                             f"(repo_path={path!r}); set task['repo_path'] or Config.repos_dir")
+                             f"(repo_path={path!r}); set task['repo_path'] or Config.repos_dir, or use "
+                             "backend='docker' with the instance's image")
         return path
+
+    def _origin(self, task: Mapping[str, Any]) -> Layer:
+        """The task's pristine ``/testbed`` as a layer (the caller releases it)."""
+        if self.config.backend == "docker":
+            return testbed_layer(self._image(task), self.uid, self.config.docker_cache_dir,
+                                 self.config.docker_binary).acquire()
+        origin = make_layer(self._repo_path(task), self.uid).acquire()
+        try:
+            checkout = self._make_runner(origin.path).run(
+                _CHECKOUT, [task["base_commit"]], timeout_s=self.config.grading_timeout_s)
+        except BaseException:
+            origin.release()
+            raise
+        if checkout.returncode != 0:
+            origin.release()
+            raise SandboxCrashed(f"swebench: cannot check out {task['base_commit']}: "
+                                 f"{checkout.output.decode('utf-8', 'replace')[-2000:]}")
+        return origin
 
     def _reset(self, task: Mapping[str, Any]) -> Observation:
         workspace = self._ensure_workspace()
         try:
-            origin = make_layer(self._repo_path(task), self.uid).acquire()
+            origin = self._origin(task)
             try:
-                checkout = self._make_confinement(origin.path).run(
-                    _CHECKOUT, [task["base_commit"]], timeout_s=self.config.grading_timeout_s)
-                if checkout.returncode != 0:
-                    raise SandboxCrashed(f"swebench: cannot check out {task['base_commit']}: "
-                                         f"{checkout.output.decode('utf-8', 'replace')[-2000:]}")
                 workspace.load(origin)
             finally:
                 origin.release()  # the workspace holds its own reference
-        except (OSError, subprocess.SubprocessError) as exc:
+            self._runner = self._make_runner(workspace.path)
+        except (OSError, subprocess.SubprocessError, DockerUnavailable) as exc:
             raise SandboxCrashed(f"swebench: reset failed: {exc!r}") from exc
         self._cwd = MOUNT_POINT
         self._steps = 0
@@ -328,14 +409,14 @@ class SWEBenchSandbox(Sandbox):
         return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
     def _run_action(self, action: list[str]) -> tuple[str, dict[str, Any]]:
-        assert self._confinement is not None
+        assert self._runner is not None
         if action[0] == "bash":
-            result = self._confinement.run(_COMMAND_WRAPPER, [self._cwd, action[1]])
+            result = self._runner.run(_COMMAND_WRAPPER, [self._cwd, action[1]])
             cwd = result.cwd
             if cwd and (cwd == MOUNT_POINT or cwd.startswith(MOUNT_POINT + "/")):
                 self._cwd = posixpath.normpath(cwd)
         else:
-            result = self._confinement.run(_WRITE_WRAPPER, [self._cwd, action[1]], stdin=action[2].encode())
+            result = self._runner.run(_WRITE_WRAPPER, [self._cwd, action[1]], stdin=action[2].encode())
         output = normalise_output(result.output.decode("utf-8", "replace"))
         if result.truncated:
             output += "\n[... output truncated ...]"
@@ -352,23 +433,31 @@ class SWEBenchSandbox(Sandbox):
         if not swebench_available():
             raise RuntimeError("swebench: grading needs the `swebench` package (pip install swebench==5.0.2, "
                                "part of the `envs` extra)")
-        assert self._confinement is not None and self._workspace is not None and self._workspace.origin
+        assert self._workspace is not None and self._workspace.origin
         task = self.task
-        patch = extract_patch(self._make_grading_confinement(self._workspace.path), task["base_commit"],
-                              self.config.grading_timeout_s)
-        graded = grade_patch(task, patch, self._workspace.origin.path, self._make_grading_confinement, self.uid,
-                             self.config.grading_timeout_s)
+        extracted = extract_patch(self._make_grading_runner(self._workspace.path), task["base_commit"],
+                                  task.get("eval_script", ""), self.config.grading_timeout_s)
+        graded = grade_patch(task, extracted.patch if extracted else None, self._workspace.origin.path,
+                             self._make_grading_runner, self.uid, self.config.grading_timeout_s)
         status = graded.report.get("tests_status", {})
+        excluded = list(extracted.excluded) if extracted else []
         info = {
             "resolved": graded.resolved,
             "patch_applied": bool(graded.report.get("patch_successfully_applied")),
             "fail_to_pass_failures": len(status.get("FAIL_TO_PASS", {}).get("failure", [])),
             "pass_to_pass_failures": len(status.get("PASS_TO_PASS", {}).get("failure", [])),
+            "excluded_files": excluded,
+            "forged_report": graded.forged,
             "won": graded.resolved,
         }
         text = (f"Submitted. The issue is {'resolved' if graded.resolved else 'not resolved'} "
                 f"({info['fail_to_pass_failures']} failing FAIL_TO_PASS test(s), "
                 f"{info['pass_to_pass_failures']} failing PASS_TO_PASS test(s)).")
+        if excluded:
+            text += (f" Not graded (tests, test configuration and start-up hooks are restored before grading): "
+                     f"{', '.join(excluded[:20])}{' ...' if len(excluded) > 20 else ''}.")
+        if graded.forged:
+            text += " The test report was tampered with: graded as not resolved."
         return (1.0 if graded.resolved else 0.0), info, text
 
     def _finish(self, text: str, info: dict[str, Any]) -> StepResult:
@@ -387,8 +476,8 @@ class SWEBenchSandbox(Sandbox):
                 reward, info, text = self._grade()
                 return StepResult(Observation(text), reward, True, info)
             return self._finish(*self._run_action(decoded))
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise SandboxCrashed(f"swebench: the confinement failed: {exc!r}") from exc
+        except (OSError, subprocess.SubprocessError, DockerUnavailable) as exc:
+            raise SandboxCrashed(f"swebench: the sandbox failed: {exc!r}") from exc
 
     def _step_text(self, action_text: str) -> StepResult:
         result = super()._step_text(action_text)
@@ -398,8 +487,8 @@ class SWEBenchSandbox(Sandbox):
         self._steps += 1
         try:
             return self._finish(result.observation.text, dict(result.info))
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise SandboxCrashed(f"swebench: the confinement failed: {exc!r}") from exc
+        except (OSError, subprocess.SubprocessError, DockerUnavailable) as exc:
+            raise SandboxCrashed(f"swebench: the sandbox failed: {exc!r}") from exc
 
     # --- snapshots ------------------------------------------------------------------------------------------
     def _snapshot_payload(self) -> _Payload:
@@ -415,11 +504,34 @@ class SWEBenchSandbox(Sandbox):
         payload = snapshot.payload
         if not isinstance(payload, _Payload):
             raise TypeError(f"swebench: not a SWEBenchSandbox snapshot payload: {type(payload).__name__}")
+        self._task = dict(snapshot.task)  # the runner needs the task's image
         self._ensure_workspace().restore(payload.state)
+        if self._runner is None:
+            self._runner = self._make_runner(self._workspace.path)
         self._cwd = payload.cwd
         self._steps = payload.steps
 
     def close(self) -> None:
-        _close_workspaces(self._open_workspaces)
+        """Kill every process of the sandbox (also of a command still running), then delete its files."""
+        self._resources.close()
         self._workspace = None
-        self._confinement = None
+        self._runner = None
+        self._cgroup = None
+
+
+class _Resources:
+    """What a sandbox must release: running commands first, then its cgroup, then its workspaces."""
+
+    def __init__(self) -> None:
+        self.runners: weakref.WeakSet[Runner] = weakref.WeakSet()
+        self.cgroup: Cgroup | None = None
+        self.workspaces: list[Workspace] = []
+
+    def close(self) -> None:
+        for runner in list(self.runners):
+            runner.kill_all()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
+        while self.workspaces:
+            self.workspaces.pop().close()

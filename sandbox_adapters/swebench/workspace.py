@@ -9,9 +9,16 @@ backends with one interface (:class:`Workspace`):
   stack under an empty upper. Layers are reference-counted directories shared by the sandbox and every snapshot
   that uses them; a layer is deleted when its last user lets go. Deep stacks are flattened into one layer
   (``max_layers``) to stay far below the kernel's limit on mount options.
-* :class:`MemoryWorkspace` (portable): ``snapshot()`` reads every file, directory and symlink into an immutable
-  tuple; ``restore()`` compares the directory with it and rewrites only what differs. Cost grows with repository
-  size (every file is read); fine for the small generated repositories.
+* :class:`MemoryWorkspace` (portable): ``snapshot()`` records every file, directory and symlink in an immutable
+  tuple; ``restore()`` rewrites only what differs. File contents are held only where the agent changed them:
+  a file still equal to the pristine checkout is recorded as a reference to it, and a file unchanged since the
+  last snapshot or restore (same size, inode, modification and change times) shares the bytes already held, so
+  snapshots of a large repository cost memory in proportion to what the agent wrote, not to the repository
+  (``max_snapshot_bytes`` bounds even that).
+
+Disk: given a :class:`~sandbox_adapters.swebench.limits.QuotaDisk`, the writable part lives on it — the overlay's
+upper dir and the layers its snapshots make (which keep the disk alive while they exist), or the memory
+backend's whole directory — so the agent cannot write more than the disk holds.
 
 Both also keep the task's pristine checkout (the *origin* layer) that grading copies, and hand it to any sandbox
 that restores one of their snapshots. Host-side code never follows a symlink the agent created: the memory backend
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import dataclasses
 import functools
 import os
 import shutil
@@ -32,10 +40,21 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
+from sandbox_adapters.base import SandboxError
 from sandbox_adapters.swebench.confine import chown_tree
+from sandbox_adapters.swebench.limits import QuotaDisk
 
-__all__ = ["Layer", "Workspace", "OverlayWorkspace", "MemoryWorkspace", "overlay_supported", "make_layer"]
+__all__ = ["Layer", "Workspace", "OverlayWorkspace", "MemoryWorkspace", "overlay_supported", "make_layer",
+           "SnapshotTooLarge"]
+
+
+
+
+class SnapshotTooLarge(SandboxError):
+    """An in-memory snapshot would hold more changed bytes than ``max_snapshot_bytes``."""
+
 
 _LOCK = threading.Lock()
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -46,12 +65,16 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class Layer:
-    """A read-only directory tree (``self.path``) that lives in its own temp dir until its last reference goes."""
+    """A read-only directory tree (``self.path``) that lives in its own temp dir until its last reference goes.
 
-    def __init__(self) -> None:
-        self._root = tempfile.mkdtemp(prefix="bpo-swe-layer-")
+    A layer made on a :class:`QuotaDisk` keeps a reference to the disk while it exists.
+    """
+
+    def __init__(self, disk: QuotaDisk | None = None) -> None:
+        self._root = tempfile.mkdtemp(prefix="bpo-swe-layer-", dir=disk.path if disk is not None else None)
         self.path = os.path.join(self._root, "d")
         self._refs = 0
+        self._disk = disk.acquire() if disk is not None else None
 
     def acquire(self) -> Layer:
         with _LOCK:
@@ -64,6 +87,8 @@ class Layer:
             last = self._refs == 0
         if last:
             shutil.rmtree(self._root, ignore_errors=True)
+            if self._disk is not None:
+                self._disk.release()
 
 
 def make_layer(source: str, uid: int | None) -> Layer:
@@ -104,11 +129,14 @@ class Workspace(abc.ABC):
 
     Args:
         uid: owner of every file the agent may write (the confinement's unprivileged uid), or None.
+        disk: the size-limited filesystem the writable part lives on (None: the host's temp dir, no quota). The
+            workspace takes over this reference.
     """
 
-    def __init__(self, uid: int | None) -> None:
+    def __init__(self, uid: int | None, disk: QuotaDisk | None = None) -> None:
         self.uid = uid
-        self._root = tempfile.mkdtemp(prefix="bpo-swe-ws-")
+        self.disk = disk
+        self._root = tempfile.mkdtemp(prefix="bpo-swe-ws-", dir=disk.path if disk is not None else None)
         self.path = os.path.join(self._root, "merged")
         os.mkdir(self.path)
         self.origin: Layer | None = None
@@ -136,6 +164,9 @@ class Workspace(abc.ABC):
             self.origin.release()
             self.origin = None
         shutil.rmtree(self._root, ignore_errors=True)
+        if self.disk is not None:
+            self.disk.release()
+            self.disk = None
 
     def _set_origin(self, origin: Layer) -> None:
         origin.acquire()
@@ -201,8 +232,8 @@ class OverlayWorkspace(Workspace):
         max_layers: stack depth above which a snapshot flattens the stack into one layer.
     """
 
-    def __init__(self, uid: int | None, max_layers: int = 24) -> None:
-        super().__init__(uid)
+    def __init__(self, uid: int | None, max_layers: int = 24, disk: QuotaDisk | None = None) -> None:
+        super().__init__(uid, disk)
         self.max_layers = max_layers
         self._upper = os.path.join(self._root, "upper")
         self._work = os.path.join(self._root, "work")
@@ -235,7 +266,7 @@ class OverlayWorkspace(Workspace):
         if not os.listdir(self._upper):  # nothing changed since the last snapshot/restore: share its stack
             return _State(self._stack)
         self._unmount()
-        layer = Layer()  # no reference yet: the remount below takes the workspace's
+        layer = Layer(self.disk)  # on the upper's filesystem; no reference yet: the remount takes the workspace's
         os.rename(self._upper, layer.path)
         self._mount((layer, *self._stack))
         if len(self._stack) > self.max_layers:
@@ -260,13 +291,27 @@ class OverlayWorkspace(Workspace):
 # in-memory copy
 
 
-def _scan(root: str) -> dict[str, tuple[str, int, bytes | str | None, int]]:
-    """path -> (kind, mode, data, link count) for every entry under ``root`` in walk order (parents first).
+@dataclasses.dataclass(frozen=True)
+class _OriginFile:
+    """Recorded file content: the bytes of the origin layer's file at ``path`` (held on disk, not in memory)."""
 
-    Kinds: ``file`` (data = bytes), ``dir``, ``link`` (data = target; never followed) and ``other`` (fifos,
-    sockets, device nodes: not part of a repository, so snapshots drop them and restores delete them).
-    """
-    entries: dict[str, tuple[str, int, bytes | str | None, int]] = {}
+    path: str
+
+
+# (size, inode, mtime, ctime, link count): a file whose signature is unchanged has unchanged content. The kernel
+# gives a file that was stat'ed since its last change a fine-grained change time on its next change.
+_Signature = tuple[int, int, int, int, int]
+
+
+def _signature(st: os.stat_result) -> _Signature:
+    return (st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
+
+
+def _scan(root: str) -> dict[str, tuple[str, int, Any]]:
+    """path -> (kind, mode, detail) for every entry under ``root`` in walk order (parents first), without reading
+    file contents. Kinds: ``file`` (detail = signature), ``dir``, ``link`` (detail = target; never followed) and
+    ``other`` (fifos, sockets, devices: not part of a repository; snapshots drop them, restores delete them)."""
+    entries: dict[str, tuple[str, int, Any]] = {}
 
     def walk(rel: str) -> None:
         with os.scandir(os.path.join(root, rel) if rel else root) as it:
@@ -275,87 +320,130 @@ def _scan(root: str) -> dict[str, tuple[str, int, bytes | str | None, int]]:
                 st = entry.stat(follow_symlinks=False)
                 mode = stat.S_IMODE(st.st_mode)
                 if stat.S_ISLNK(st.st_mode):
-                    entries[path] = ("link", 0, os.readlink(entry.path), 1)
+                    entries[path] = ("link", 0, os.readlink(entry.path))
                 elif stat.S_ISDIR(st.st_mode):
-                    entries[path] = ("dir", mode, None, 1)
+                    entries[path] = ("dir", mode, None)
                     walk(path)
                 elif stat.S_ISREG(st.st_mode):
-                    with open(entry.path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
-                        entries[path] = ("file", mode, f.read(), st.st_nlink)
+                    entries[path] = ("file", mode, _signature(st))
                 else:
-                    entries[path] = ("other", mode, None, 1)
+                    entries[path] = ("other", mode, None)
 
     walk("")
     return entries
 
 
-def _read_tree(root: str) -> tuple:
-    """The snapshot of ``root``: (path, kind, mode, data) per file, directory and symlink, parents first."""
-    return tuple((path, kind, mode, data) for path, (kind, mode, data, _) in _scan(root).items() if kind != "other")
-
-
-def _sync_tree(root: str, entries: tuple, uid: int | None) -> None:
-    """Make ``root`` hold exactly ``entries``, rewriting only what differs.
-
-    Never follows a symlink: entries are fixed parents first, so every directory a file is written into is a real
-    directory by then, and files are replaced (unlink + exclusive create), not written through. Hard links are
-    broken too (snapshots do not record them), so a later write to one name cannot change another.
-    """
-    current = _scan(root)
-    wanted = {path: (kind, mode, data) for path, kind, mode, data in entries}
-    gone: set[str] = set()
-    for path in sorted(current, reverse=True):  # children sort after their parent: delete them first
-        kind = current[path][0]
-        if wanted.get(path, (None,))[0] != kind:
-            target = os.path.join(root, path)
-            shutil.rmtree(target) if kind == "dir" else os.unlink(target)
-            gone.add(path)
-    created: set[str] = set()
-    for path, kind, _mode, data in entries:
-        target = os.path.join(root, path)
-        present = path in current and path not in gone
-        if kind == "dir":
-            if present:
-                continue
-            os.mkdir(target, 0o700)
-        elif kind == "file":
-            if present and current[path][2] == data and current[path][3] == 1:
-                continue
-            if present:
-                os.unlink(target)
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-        else:
-            if present and current[path][2] == data:
-                continue
-            if present:
-                os.unlink(target)
-            os.symlink(data, target)
-        created.add(path)
-        if uid is not None:
-            os.lchown(target, uid, uid)
-    for path, kind, mode, _ in reversed(entries):  # modes last, children first: a read-only dir is filled first
-        if kind != "link" and (path in created or current[path][1] != mode):
-            os.chmod(os.path.join(root, path), mode)
-    os.chmod(root, 0o755)
-    if uid is not None:
-        os.lchown(root, uid, uid)
+def _read_file(path: str) -> bytes:
+    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
+        return f.read()
 
 
 class MemoryWorkspace(Workspace):
-    """Workspace whose snapshots are in-memory copies of every file; see the module docstring."""
+    """Workspace whose snapshots are in-memory records of the directory; see the module docstring.
+
+    Args:
+        uid, disk: as for :class:`Workspace`.
+        max_snapshot_bytes: most bytes of changed file contents one snapshot may hold (default 256 MiB); a larger
+            snapshot raises :class:`SnapshotTooLarge` (the sampler then does not fork that node).
+    """
+
+    def __init__(self, uid: int | None, disk: QuotaDisk | None = None, max_snapshot_bytes: int = 256 << 20) -> None:
+        super().__init__(uid, disk)
+        self.max_snapshot_bytes = max_snapshot_bytes
+        # path -> (signature, content) of files whose content is known: bytes or an _OriginFile
+        self._known: dict[str, tuple[_Signature, bytes | _OriginFile]] = {}
 
     def _load(self, origin: Layer) -> None:
-        _sync_tree(self.path, _read_tree(origin.path), self.uid)
+        self._sync(((path, kind, mode, _OriginFile(path) if kind == "file" else detail)
+                    for path, (kind, mode, detail) in _scan(origin.path).items() if kind != "other"), origin)
 
     def _snapshot(self) -> _State:
-        return _State([self.origin], _read_tree(self.path))
+        entries, held = [], 0
+        for path, (kind, mode, detail) in _scan(self.path).items():
+            if kind == "other":
+                continue
+            if kind == "file":
+                known = self._known.get(path)
+                if known is not None and known[0] == detail and detail[4] == 1:
+                    content = known[1]
+                else:  # changed (or hard-linked: another name may change it) since it was last known
+                    content = _read_file(os.path.join(self.path, path))
+                    self._known[path] = (detail, content)
+                if isinstance(content, bytes):
+                    held += len(content)
+                detail = content
+            entries.append((path, kind, mode, detail))
+        if held > self.max_snapshot_bytes:
+            raise SnapshotTooLarge(f"swebench: a memory snapshot would hold {held} bytes of changed files, more "
+                                   f"than max_snapshot_bytes={self.max_snapshot_bytes}")
+        return _State([self.origin], tuple(entries))
 
     def _restore(self, state: _State) -> None:
         if state.files is None:
             raise TypeError("snapshot holds no file copy (it was made by an overlay workspace)")
-        _sync_tree(self.path, state.files, self.uid)
+        self._sync(state.files, state.layers[-1])
+
+    def _sync(self, entries: Any, origin: Layer) -> None:
+        """Make the directory hold exactly ``entries``, rewriting only what differs.
+
+        Never follows a symlink: entries are fixed parents first, so every directory a file is written into is a
+        real directory by then, and files are replaced (unlink + exclusive create), not written through. Hard
+        links are broken too (snapshots do not record them), so a later write to one name cannot change another.
+        """
+        entries = tuple(entries)
+        root, uid = self.path, self.uid
+        current = _scan(root)
+        wanted = {path: kind for path, kind, _, _ in entries}
+        gone: set[str] = set()
+        for path in sorted(current, reverse=True):  # children sort after their parent: delete them first
+            kind = current[path][0]
+            if wanted.get(path) != kind:
+                target = os.path.join(root, path)
+                shutil.rmtree(target) if kind == "dir" else os.unlink(target)
+                gone.add(path)
+                self._known.pop(path, None)
+        created: set[str] = set()
+        for path, kind, _mode, data in entries:
+            target = os.path.join(root, path)
+            present = path in current and path not in gone
+            if kind == "dir":
+                if present:
+                    continue
+                os.mkdir(target, 0o700)
+            elif kind == "file":
+                known = self._known.get(path)
+                if present and known is not None and known[0] == current[path][2] and current[path][2][4] == 1 and (
+                        known[1] is data or known[1] == data):
+                    continue
+                if present:
+                    os.unlink(target)
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    if isinstance(data, _OriginFile):
+                        with open(os.path.join(origin.path, data.path), "rb") as source:
+                            shutil.copyfileobj(source, f, 1 << 20)
+                    else:
+                        f.write(data)
+            else:
+                if present and current[path][2] == data:
+                    continue
+                if present:
+                    os.unlink(target)
+                os.symlink(data, target)
+            created.add(path)
+            if uid is not None:
+                os.lchown(target, uid, uid)
+        for path, kind, mode, _ in reversed(entries):  # modes last, children first: a read-only dir is filled first
+            if kind != "link" and (path in created or current[path][1] != mode):
+                os.chmod(os.path.join(root, path), mode)
+        os.chmod(root, 0o755)
+        if uid is not None:
+            os.lchown(root, uid, uid)
+        # what the directory now holds is known: the next snapshot reads nothing it did not change
+        for path, kind, _mode, data in entries:
+            if kind == "file":
+                self._known[path] = (_signature(os.lstat(os.path.join(root, path))), data)
 
     def _close(self) -> None:
+        self._known.clear()
         shutil.rmtree(self.path, ignore_errors=True)

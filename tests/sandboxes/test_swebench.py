@@ -97,7 +97,10 @@ class TestSWEMemoryConformance(SandboxConformance):
         return bash("rm windows.py && ls")
 
     def inject_step_crash(self, sandbox):
-        sandbox._confinement._prefix[0] = "/nonexistent/bwrap"
+        def broken(*args, **kwargs):
+            raise OSError("the sandbox runtime died")
+
+        sandbox._runner.run = broken
 
     sampler_step_timeout_s = 8.0  # a submit grades with pytest in a fresh confinement (~1 s)
 
@@ -272,35 +275,49 @@ def test_a_dropped_sandbox_cleans_up_after_itself(tasks, tmp_path, monkeypatch, 
 
 
 def test_memory_restore_undoes_adversarial_changes_in_place(tmp_path):
-    from sandbox_adapters.swebench.workspace import _read_tree, _scan, _sync_tree
+    from sandbox_adapters.swebench.workspace import MemoryWorkspace, _scan, make_layer
 
-    ws = tmp_path / "ws"
-    (ws / "d" / "e").mkdir(parents=True)
-    (ws / "d" / "e" / "f.txt").write_text("hello")
-    (ws / "a").write_text("A")
-    (ws / "b").write_text("B")
-    os.chmod(ws / "b", 0o755)
-    os.symlink("a", ws / "lnk")
-    snap = _read_tree(str(ws))
-    kept_inode = os.stat(ws / "d" / "e" / "f.txt").st_ino
-    # a directory turned into a symlink to the host, a hard link, a mode change, a fifo, a new file, a link -> dir
-    os.rename(ws / "d", tmp_path / "moved")
-    os.symlink(str(tmp_path / "moved"), ws / "d")
-    os.unlink(ws / "b")
-    os.link(ws / "a", ws / "b")
-    os.chmod(ws / "a", 0o600)
-    os.mkfifo(ws / "fifo")
-    (ws / "new").write_text("N")
-    os.unlink(ws / "lnk")
-    (ws / "lnk").mkdir()
-    _sync_tree(str(ws), snap, None)
-    assert _read_tree(str(ws)) == snap
-    assert all(nlink == 1 for *_, nlink in _scan(str(ws)).values())
-    assert (tmp_path / "moved" / "e" / "f.txt").read_text() == "hello"  # nothing written through the symlink
-    assert os.stat(tmp_path / "moved" / "e" / "f.txt").st_ino == kept_inode
-    unchanged = os.stat(ws / "d" / "e" / "f.txt").st_ino
-    _sync_tree(str(ws), snap, None)
-    assert os.stat(ws / "d" / "e" / "f.txt").st_ino == unchanged  # equal files are not rewritten
+    src = tmp_path / "src"
+    (src / "d" / "e").mkdir(parents=True)
+    (src / "d" / "e" / "f.txt").write_text("hello")
+    (src / "a").write_text("A")
+    (src / "b").write_text("B")
+    os.chmod(src / "b", 0o755)
+    os.symlink("a", src / "lnk")
+    origin = make_layer(str(src), None).acquire()
+    workspace = MemoryWorkspace(None)
+    try:
+        workspace.load(origin)
+        ws = tmp_path / "ws"
+        os.symlink(workspace.path, ws)
+        (ws / "a").write_text("changed")  # a change the snapshot must hold
+        snap = workspace.snapshot()
+        expected = {p: (k, m, d if k != "file" else (ws / p).read_bytes()) for p, (k, m, d) in _scan(str(ws)).items()}
+        kept_inode = os.stat(ws / "d" / "e" / "f.txt").st_ino
+        # a directory turned into a symlink to the host, a hard link, a mode change, a fifo, a new file, a link -> dir
+        os.rename(ws / "d", tmp_path / "moved")
+        os.symlink(str(tmp_path / "moved"), ws / "d")
+        os.unlink(ws / "b")
+        os.link(ws / "a", ws / "b")
+        os.chmod(ws / "a", 0o600)
+        os.mkfifo(ws / "fifo")
+        (ws / "new").write_text("N")
+        os.unlink(ws / "lnk")
+        (ws / "lnk").mkdir()
+        workspace.restore(snap)
+        now = {p: (k, m, d if k != "file" else (ws / p).read_bytes()) for p, (k, m, d) in _scan(str(ws)).items()}
+        assert now == expected
+        assert (ws / "a").read_text() == "changed" and (ws / "b").read_text() == "B"
+        assert all(detail[4] == 1 for kind, _, detail in _scan(str(ws)).values() if kind == "file")  # no hard links
+        assert (tmp_path / "moved" / "e" / "f.txt").read_text() == "hello"  # nothing written through the symlink
+        assert os.stat(tmp_path / "moved" / "e" / "f.txt").st_ino == kept_inode
+        unchanged = os.stat(ws / "d" / "e" / "f.txt").st_ino
+        workspace.restore(snap)
+        assert os.stat(ws / "d" / "e" / "f.txt").st_ino == unchanged  # equal files are not rewritten
+        snap.release()
+    finally:
+        workspace.close()
+        origin.release()
 
 
 def test_memory_snapshot_keeps_symlinks_as_links(tasks):
