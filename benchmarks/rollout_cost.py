@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
-from verl_bpo.demo.cpu_demo import demo_model
+from verl_bpo.demo.tasks import TASKS, task_model
 from verl_bpo.platforms import cpu_launch
 
 N_LEAVES, MAX_TURNS = 8, 8
@@ -83,7 +83,7 @@ def main() -> None:
                              "8-turn horizon; 'null' forks as early as the budget allows)")
     args = parser.parse_args()
     root = args.out.resolve()
-    model = demo_model(root)  # the demo's warm-started tiny model: it writes short actions
+    model = task_model(root, TASKS["late"])  # the demo's warm-started tiny model: it writes short actions
 
     by_sandbox = {}
     print(f"{'sandbox':10s} {'mode':5s} {'env steps/leaf':>15s} {'gen tokens/leaf':>16s} {'rollout s':>10s}")

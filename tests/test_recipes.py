@@ -309,18 +309,28 @@ def test_prepare_data_runs_as_a_module(tmp_path):
 def test_the_cpu_demo_runs_compose_and_differ_only_in_the_estimator(tmp_path):
     from sandbox_adapters.registry import make_sandbox
 
+    from verl_bpo.data import write_sandbox_dataset
+
     demo = cpu_demo
     settings = demo.DemoSettings()
-    configs = {e: flat(compose_recipe(demo.run_overrides(e, tmp_path / "model", tmp_path / "train.parquet",
-                                                         tmp_path / "out", 12, settings)))
-               for e in ("bpo", "grpo")}
+    for split in ("train", "val"):  # the checks before Ray read the datasets
+        write_sandbox_dataset(tmp_path / f"{split}.parquet", sandbox_rows(
+            demo.TASK.sandbox, demo.TASK.tasks(range(4)), demo.TASK.sandbox_config, split=split))
+
+    def compose_run(estimator):
+        return compose_recipe(demo.run_overrides(estimator, tmp_path / "model", tmp_path / "train.parquet",
+                                                 tmp_path / "val.parquet", tmp_path / "out", 12, settings))
+
+    configs = {e: flat(compose_run(e)) for e in ("bpo", "grpo")}
     differ = {k for k in configs["bpo"].keys() | configs["grpo"].keys()
               if configs["bpo"].get(k) != configs["grpo"].get(k)}
     assert differ == {"algorithm.adv_estimator"}
-    cfg = compose_recipe(demo.run_overrides("bpo", tmp_path / "m", tmp_path / "t.parquet", tmp_path / "o", 12, settings))
+    cfg = compose_run("bpo")
     bpo = prepare_config(cfg)
     assert cfg.actor_rollout_ref.rollout.n == settings.n_leaves and cfg.data.train_batch_size == settings.batch_size
-    assert bpo.sandbox.name == "smoke" and dict(bpo.sandbox.config) == demo.SMOKE
-    make_sandbox("smoke", dict(bpo.sandbox.config)).close()  # the sandbox accepts the demo's settings
+    assert bpo.allocation == "learned" and bpo.budget == "tokens" and bpo.tree_log.endswith("trees.jsonl")
+    assert bpo.sandbox.name == demo.TASK.sandbox and dict(bpo.sandbox.config) == dict(demo.TASK.sandbox_config)
+    assert cfg.trainer.test_freq > 0 and cfg.data.val_files.endswith("val.parquet")  # held-out evaluation
+    make_sandbox(bpo.sandbox.name, dict(bpo.sandbox.config)).close()  # the sandbox accepts the demo's settings
     # verl stops after one pass over the task set on CPU: the default steps must fit in it
-    assert 12 * settings.batch_size <= len(demo.TASKS)
+    assert 12 * settings.batch_size <= len(demo.TASK.train_ids)

