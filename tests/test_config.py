@@ -217,7 +217,6 @@ def test_bpo_defaults_replace_verls_defaults_only(data):
 
 
 def test_stock_cli_config_is_wired_for_bpo(monkeypatch, data):
-    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
     cfg = compose_stock("algorithm.adv_estimator=bpo", "actor_rollout_ref.rollout.n=4", "+bpo.k=2",
                         "data.max_response_length=96", *data_overrides(data))
     stock_launch.StockLaunch().on_run_start(cfg)
@@ -226,7 +225,7 @@ def test_stock_cli_config_is_wired_for_bpo(monkeypatch, data):
     assert actor.loss_agg_mode == "seq-mean-token-sum-norm" and actor.loss_scale_factor == 96
     assert rollout.calculate_log_probs and rollout.agent.default_agent_loop == "bpo_tree"
     assert rollout.agent.agent_loop_config_path == str(AGENT_LOOPS_YAML)
-    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "verl_bpo.integration.trainer"
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_BPO_TRAINER == "1"
     assert read_bpo_config(cfg.bpo).k == 2
 
 
@@ -238,12 +237,13 @@ def test_the_trainer_mode_name_builds_bpo_trainer_in_sync_mode():
     assert get_trainer_cls(TRAINER_MODE) is BPOTrainer and issubclass(BPOTrainer, PPOTrainerSync)
 
 
-def test_stock_external_modules_keep_the_users(monkeypatch, data):
-    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "my_pkg.ext")
-    cfg = compose_stock("algorithm.adv_estimator=bpo", "actor_rollout_ref.rollout.n=4", *data_overrides(data))
-    stock_launch.StockLaunch().on_run_start(cfg)
-    modules = cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES
-    assert modules == "my_pkg.ext,verl_bpo.integration.trainer"
+def test_the_plugin_registers_bpo_trainer_in_the_workers_of_a_stock_bpo_run_only():
+    probe = ("import verl; from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY; "
+             "print('bpo' in TRAINER_REGISTRY)")
+    for value, registered in (("1", "True"), ("", "False")):
+        env = {**os.environ, stock_launch.TRAINER_ENV: value, "VERL_PLATFORM": "cpu"}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+        assert out.stdout.strip().splitlines()[-1] == registered, out.stderr[-3000:]
 
 
 def test_stock_cli_keys_are_never_replaced(data):

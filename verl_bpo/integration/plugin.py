@@ -6,19 +6,28 @@ import errors at DEBUG level; ``python -c "import verl_bpo.integration.plugin"``
 
 In a process running verl's stock ``python -m verl.trainer.main_ppo``, it also adds the hydra callback that turns
 an ``algorithm.adv_estimator=bpo`` run into a BPO run and checks its settings before Ray starts
-(:mod:`verl_bpo.integration.stock_launch`; ``VERL_BPO_STOCK_LAUNCH=0`` turns that off). Other programs and Ray
-workers are untouched.
+(:mod:`verl_bpo.integration.stock_launch`; ``VERL_BPO_STOCK_LAUNCH=0`` turns that off). In the Ray workers of
+such a run (``VERL_BPO_TRAINER=1``) it registers BPOTrainer in verl's trainer registry. Other programs and the
+workers of other runs are untouched.
 
 The same hook registers the optional CPU platform (:mod:`verl_bpo.platforms.cpu`) when ``VERL_PLATFORM=cpu``;
 without that variable nothing platform-related is imported.
 """
 
+import logging
 import os
 
 from verl_bpo.integration import estimator  # noqa: F401  (registers "bpo" in verl's ADV_ESTIMATOR_REGISTRY)
-from verl_bpo.integration.stock_launch import hook_stock_main_ppo
-
-hook_stock_main_ppo()
+from verl_bpo.integration.stock_launch import hook_stock_main_ppo, trainer_wanted
 
 if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
     from verl_bpo.platforms import cpu  # noqa: F401  (registers verl's "cpu" platform + the gloo shim)
+
+hook_stock_main_ppo()
+
+if trainer_wanted():
+    try:
+        from verl_bpo.integration import trainer  # noqa: F401  (registers BPOTrainer as trainer_mode "bpo")
+    except Exception:  # verl would log this at DEBUG only and the run would stop at "Unknown trainer 'bpo'"
+        logging.getLogger(__name__).exception("verl-bpo: cannot import the BPO trainer")
+        raise

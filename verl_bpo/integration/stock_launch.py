@@ -11,8 +11,10 @@ does (command line, ``--config-path``/``--config-name`` YAML, config groups) and
    log-probs, the ``bpo_tree`` agent loop) BPO's value where the config still holds verl's default and the
    command line does not name the key — the same defaults ``python -m verl_bpo.main`` starts from;
 2. selects :class:`~verl_bpo.integration.trainer.BPOTrainer` through verl's trainer registry
-   (``trainer.v1.trainer_mode=bpo``; it runs verl's sync mode) and has every Ray worker import it through verl's
-   ``VERL_USE_EXTERNAL_MODULES`` (set in ``ray_kwargs.ray_init.runtime_env.env_vars``);
+   (``trainer.v1.trainer_mode=bpo``; it runs verl's sync mode) and sets ``VERL_BPO_TRAINER=1`` for the run's Ray
+   workers (``ray_kwargs.ray_init.runtime_env.env_vars``), so the plugin registers BPOTrainer in each of them, the
+   TaskRunner that looks it up included (after the optional CPU platform: importing verl's trainer needs the
+   platform);
 3. runs :func:`~verl_bpo.integration.settings.prepare_config`, every check before Ray starts (which also points
    ``agent_loop_config_path`` at the ``bpo_tree`` registry entry when it is empty). A failing check exits with its
    message.
@@ -33,15 +35,19 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["STOCK_LAUNCH_ENV", "CALLBACK_OVERRIDE", "StockLaunch", "hook_stock_main_ppo", "stock_main_ppo_args",
+__all__ = ["STOCK_LAUNCH_ENV", "TRAINER_ENV", "CALLBACK_OVERRIDE", "StockLaunch", "hook_stock_main_ppo", "stock_main_ppo_args",
            "prepare_stock_config"]
 
 STOCK_LAUNCH_ENV = "VERL_BPO_STOCK_LAUNCH"
 CALLBACK_OVERRIDE = "++hydra.callbacks.verl_bpo._target_=verl_bpo.integration.stock_launch.StockLaunch"
-TRAINER_MODULE = "verl_bpo.integration.trainer"  # registers BPOTrainer with verl's register_trainer on import
-_EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
+TRAINER_ENV = "VERL_BPO_TRAINER"  # "1" in the Ray workers of a BPO run: the plugin imports (registers) BPOTrainer
 _ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
 _BPO_TRAINER_YAML = Path(__file__).parent / "config" / "bpo_trainer.yaml"
+
+
+def trainer_wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process belongs to a BPO run started through verl's stock main_ppo (module docstring)."""
+    return (os.environ if environ is None else environ).get(TRAINER_ENV, "") == "1"
 
 
 def hook_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -164,13 +170,10 @@ def prepare_stock_config(config: DictConfig) -> list[str]:
     if mode != TRAINER_MODE:
         OmegaConf.update(config, "trainer.v1.trainer_mode", TRAINER_MODE)
         changes.append(f"trainer.v1.trainer_mode={TRAINER_MODE}")
-    env_key = f"{_ENV_VARS_KEY}.{_EXTERNAL_MODULES}"
-    inherited = _select(config, env_key)
-    inherited = os.environ.get(_EXTERNAL_MODULES, "") if inherited is _MISSING else str(inherited or "")
-    modules = [m for m in inherited.split(",") if m.strip()]
-    if TRAINER_MODULE not in modules:
-        OmegaConf.update(config, env_key, ",".join([*modules, TRAINER_MODULE]), force_add=True)
-        changes.append(f"{env_key}={_select(config, env_key)}")
+    env_key = f"{_ENV_VARS_KEY}.{TRAINER_ENV}"
+    if str(_select(config, env_key)) != "1":
+        OmegaConf.update(config, env_key, "1", force_add=True)
+        changes.append(f"{env_key}=1")
     path_key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
     had_path = bool(_select(config, path_key))
     prepare_config(config)
