@@ -253,6 +253,11 @@ class SWEBenchSandbox(Sandbox):
                                  "cpus >= 0")
             self.extra_ro_paths = tuple(self.extra_ro_paths)
 
+        def min_step_timeout_s(self) -> float:
+            """The longest a call may take within these limits (``registry.min_step_timeout_s``): the step at
+            ``max_steps`` runs a command, then grades (patch extraction, application, eval script)."""
+            return self.command_timeout_s + 3 * self.grading_timeout_s
+
     name: ClassVar[str] = "swebench"
     deterministic: ClassVar[bool] = True
     snapshot_kind: ClassVar[SnapshotKind] = SnapshotKind.FILESYSTEM
