@@ -331,8 +331,8 @@ def run_command(args: list[str], cwd: Path):
 def test_bad_settings_fail_within_seconds_before_ray_as_real_commands(tmp_path, data, entry, overrides, message):
     if entry == "yaml":
         entry = [*STOCK, f"--config-path={write_yaml(tmp_path / 'conf', 'swebench', 60)}", "--config-name=my_bpo"]
-    n = [] if any(o.startswith("actor_rollout_ref.rollout.n=") for o in overrides) else ["actor_rollout_ref.rollout.n=4"]
-    out, seconds = run_command([*entry, *data_overrides(data), *n, *overrides], tmp_path)
+    leaves = "actor_rollout_ref.rollout.n=4"  # a case that sets N comes later and wins
+    out, seconds = run_command([*entry, *data_overrides(data), leaves, *overrides], tmp_path)
     assert out.returncode != 0, out.stdout[-2000:]
     assert re.search(message, out.stderr), out.stderr[-3000:]
     assert "verl-bpo:" in out.stderr  # our message, not a traceback from deep inside a worker

@@ -121,6 +121,15 @@ def test_cpu_overrides_compose_with_verls_trainer_config(tmp_path):
     assert cfg.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
     assert cfg.ray_kwargs.ray_init.num_gpus == 1
     assert cfg.reward.custom_reward_function.path == str(tmp_path / "r.py")
+    # the step-cost settings (benchmarks/cpu_step.py measures them)
+    assert cfg.actor_rollout_ref.model.use_remove_padding is False
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False
+    sampler = cfg.trainer.v1.sampler.custom_sampler
+    from verl.utils.import_utils import load_extern_object
+
+    from verl_bpo.platforms.replay_poll import QuickPollReplayBuffer
+
+    assert load_extern_object(sampler.path, sampler.name) is QuickPollReplayBuffer
 
     import pandas as pd
 
@@ -176,3 +185,15 @@ def test_kill_session_reaches_orphans_of_the_run_only(tmp_path):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_quick_poll_replay_buffer_is_verls_sync_buffer_polling_every_tenth_of_a_second():
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    from verl_bpo.platforms.replay_poll import QuickPollReplayBuffer
+
+    buffer = QuickPollReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=None,
+                                   max_off_policy_strategy="drop", sampler_kwargs={})
+    assert isinstance(buffer, ReplayBuffer) and buffer.poll_interval == 0.1
+    assert ReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=None,
+                        max_off_policy_strategy="drop", sampler_kwargs={}).poll_interval == 2.0  # verl's, for contrast

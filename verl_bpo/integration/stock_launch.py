@@ -35,8 +35,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["STOCK_LAUNCH_ENV", "TRAINER_ENV", "CALLBACK_OVERRIDE", "StockLaunch", "hook_stock_main_ppo", "stock_main_ppo_args",
-           "prepare_stock_config"]
+__all__ = ["STOCK_LAUNCH_ENV", "TRAINER_ENV", "CALLBACK_OVERRIDE", "StockLaunch", "hook_stock_main_ppo",
+           "stock_main_ppo_args", "prepare_stock_config"]
 
 STOCK_LAUNCH_ENV = "VERL_BPO_STOCK_LAUNCH"
 CALLBACK_OVERRIDE = "++hydra.callbacks.verl_bpo._target_=verl_bpo.integration.stock_launch.StockLaunch"

@@ -49,6 +49,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+REPLAY_BUFFER_MODULE, REPLAY_BUFFER_CLASS = "verl_bpo.platforms.replay_poll", "QuickPollReplayBuffer"
+
+
 def cpu_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: ``os.environ``) plus the variables a CPU run needs."""
     env = dict(os.environ if base is None else base)
@@ -100,6 +103,12 @@ def cpu_overrides(
         f"actor_rollout_ref.model.path={model_path}",
         # verl defaults to flash_attention_2 (verl/workers/config/model.py:185), which needs CUDA.
         "++actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        # verl packs a micro-batch's rows into one sequence (remove padding) for flash-attention's varlen kernels;
+        # with sdpa, attention then spans the whole packed sequence (T^2 for T = every token of the micro-batch)
+        # behind a T x T mask. On the CPU demo's 32 rows that was 59% of the actor's time; padded rows cost B L^2.
+        "actor_rollout_ref.model.use_remove_padding=False",
+        # Recomputing activations in the backward saves accelerator memory, which a CPU run does not lack.
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         # FSDP1 insists on GPU parameters with sync_module_states (engine/fsdp/transformer_impl.py:437); FSDP2 works.
         "actor_rollout_ref.actor.strategy=fsdp2",
         "actor_rollout_ref.ref.strategy=fsdp2",
@@ -124,6 +133,10 @@ def cpu_overrides(
         "ray_kwargs.ray_init.num_cpus=16",
         # verl's placement groups ask for GPU bundles (single_controller/ray/base.py:240): one logical GPU.
         "++ray_kwargs.ray_init.num_gpus=1",
+        # verl's replay buffer checks for finished rollouts every 2 s, so every step's `gen` was >= 2 s; this one
+        # checks every 0.1 s (verl_bpo/platforms/replay_poll.py), through verl's custom-sampler hook.
+        f"trainer.v1.sampler.custom_sampler.path=pkg://{REPLAY_BUFFER_MODULE}",
+        f"trainer.v1.sampler.custom_sampler.name={REPLAY_BUFFER_CLASS}",
         "trainer.logger=[console]",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
