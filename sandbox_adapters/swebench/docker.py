@@ -252,7 +252,7 @@ def build_instance_image(tag: str, repo_dir: str, base_image: str, binary: str =
                          extra_dockerfile: str = "") -> str:
     """Build ``tag``: ``base_image`` (python3, git, pytest) with ``repo_dir`` copied to ``/testbed`` and put on
     ``sys.path`` the way an editable install does (a ``.pth`` file), as in SWE-bench's instance images. Built
-    with no network; skipped when ``tag`` exists already."""
+    with no network; skipped when ``tag`` exists already (remove it to rebuild)."""
     if _docker(binary, "image", "inspect", tag, check=False).returncode == 0:
         return tag
     with tempfile.TemporaryDirectory(prefix="bpo-swe-image-") as context:
@@ -260,7 +260,9 @@ def build_instance_image(tag: str, repo_dir: str, base_image: str, binary: str =
         dockerfile = (f"FROM {base_image}\nCOPY testbed /testbed\nWORKDIR /testbed\n"
                       "RUN site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])') && "
                       "mkdir -p \"$site\" && echo /testbed > \"$site/testbed.pth\" && "
-                      "git config --system --add safe.directory '*'\n" + extra_dockerfile)
+                      "git config --system --add safe.directory '*' && "
+                      # SWE-bench images run a conda Python, which has no sitecustomize of its own (Debian's has)
+                      "rm -f /usr/lib/python3*/sitecustomize.py\n" + extra_dockerfile)
         with open(os.path.join(context, "Dockerfile"), "w") as f:
             f.write(dockerfile)
         _docker(binary, "build", "--network", "none", "-q", "-t", tag, context, timeout_s=600)

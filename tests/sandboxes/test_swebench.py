@@ -28,10 +28,8 @@ needs_overlay = pytest.mark.skipif(not overlay_supported(), reason="this process
 
 
 @pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("swe_tasks")
-    instances = generate_tasks(str(out), num=len(BUG_KINDS), seed=0)
-    return [{**inst, "repo_path": str(out / "repos" / inst["instance_id"])} for inst in instances]
+def tasks(swe_tasks):
+    return swe_tasks
 
 
 def bash(cmd: str) -> str:
@@ -71,17 +69,10 @@ def _tree_digest(root: str) -> str:
 # conformance (the probe submits, so grading — and thus swebench — is part of every transcript)
 
 
-@pytest.mark.envs
-@needs_swebench
-class TestSWEMemoryConformance(SandboxConformance):
-    backend = "memory"
+class SWEConformanceHooks(SandboxConformance):
+    """The conformance hooks of the SWE sandbox, for every backend (``make_sandbox`` comes from the subclass)."""
 
-    @pytest.fixture(autouse=True)
-    def _task(self, tasks):
-        self._the_task = tasks[0]  # off_by_one in pkg0/windows.py
-
-    def make_sandbox(self):
-        return _sandbox(self.backend)
+    sampler_step_timeout_s = 10.0  # a submit grades with pytest in a fresh sandbox (~1 s locally, ~2 s in Docker)
 
     def task(self):
         return self._the_task
@@ -102,7 +93,18 @@ class TestSWEMemoryConformance(SandboxConformance):
 
         sandbox._runner.run = broken
 
-    sampler_step_timeout_s = 8.0  # a submit grades with pytest in a fresh confinement (~1 s)
+
+@pytest.mark.envs
+@needs_swebench
+class TestSWEMemoryConformance(SWEConformanceHooks):
+    backend = "memory"
+
+    @pytest.fixture(autouse=True)
+    def _task(self, tasks):
+        self._the_task = tasks[0]  # off_by_one in pkg0/windows.py
+
+    def make_sandbox(self):
+        return _sandbox(self.backend)
 
 
 @needs_overlay

@@ -1,0 +1,124 @@
+"""SWE sandbox on the Docker backend: conformance, real SWE-bench grading in the instance image, confinement.
+
+Instance images are built from generated tasks on the base image ``scripts/setup.sh`` makes without a registry
+(``tests/sandboxes/conftest.py``); every test skips, with the reason, where no Docker engine can run.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+import pytest
+
+from sandbox_adapters.swebench.grading import swebench_available
+from tests.sandboxes.test_swebench import SWEConformanceHooks, bash
+
+pytestmark = [
+    pytest.mark.envs,
+    pytest.mark.skipif(not swebench_available(), reason="the `swebench` package (envs extra) is not installed"),
+]
+
+
+def _sandbox(cache, **overrides):
+    from sandbox_adapters.swebench import SWEBenchSandbox
+
+    return SWEBenchSandbox(SWEBenchSandbox.Config(backend="docker", docker_cache_dir=cache, **overrides))
+
+
+class TestSWEDockerConformance(SWEConformanceHooks):
+    """Overlay snapshots (the memory backend runs the same suite locally and the Docker budget tests)."""
+
+    snapshot_backend = "overlay"
+    sampler_step_timeout_s = 6.0
+
+    @pytest.fixture(autouse=True)
+    def _task(self, swe_docker_tasks):
+        tasks, self._cache = swe_docker_tasks
+        self._the_task = tasks[0]
+
+    def make_sandbox(self):
+        return _sandbox(self._cache, snapshot_backend=self.snapshot_backend)
+
+
+def test_grading_in_the_image_empty_patch_unresolved_gold_resolved(swe_docker_tasks):
+    tasks, cache = swe_docker_tasks
+    with _sandbox(cache) as sandbox:
+        for task in tasks:
+            sandbox.reset(task)
+            result = sandbox.step("submit")
+            assert result.done and result.reward == 0.0 and result.info["fail_to_pass_failures"] >= 1, result
+            sandbox.reset(task)
+            applied = sandbox.step(bash(f"git apply <<'EOF'\n{task['patch']}EOF\ngit status --short"))
+            assert "[exit code 0]" in applied.observation.text
+            result = sandbox.step("submit")
+            assert result.done and result.reward == 1.0 and result.info["resolved"], result
+
+
+def test_no_network_read_only_root_and_only_the_image_is_visible(swe_docker_tasks, tmp_path):
+    tasks, cache = swe_docker_tasks
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    host_file = tmp_path / "host.txt"
+    host_file.write_text("host")
+    probe = (f"import socket\nfor addr in [('127.0.0.1', {port}), ('1.1.1.1', 80), ('172.17.0.1', 80)]:\n"
+             "    try:\n        socket.create_connection(addr, timeout=2); print('CONNECTED', addr)\n"
+             "    except OSError as e:\n        print('FAILED', addr, e.errno)\n")
+    try:
+        with _sandbox(cache) as sandbox:
+            sandbox.reset(tasks[0])
+            sandbox.step(f"```write probe.py\n{probe}```")
+            net = sandbox.step(bash("python probe.py; ip -o addr 2>/dev/null | grep -v ' lo ' || true")).observation.text
+            writes = sandbox.step(bash(f"echo x > /usr/x; echo x > /etc/x; echo x > /x; cat {host_file}; "
+                                       "echo ok > /tmp/t && cat /tmp/t; id -u")).observation.text
+        assert "CONNECTED" not in net and net.count("FAILED") == 3, net
+        with pytest.raises(socket.timeout):  # nothing reached the host's loopback listener
+            listener.accept()
+    finally:
+        listener.close()
+    assert writes.count("Read-only file system") == 3, writes
+    assert f"{host_file}: No such file or directory" in writes and "ok\n65534" in writes, writes
+
+
+def test_a_runaway_command_is_removed_and_the_sandbox_goes_on(swe_docker_tasks):
+    tasks, cache = swe_docker_tasks
+    with _sandbox(cache, command_timeout_s=3.0) as sandbox:
+        sandbox.reset(tasks[0])
+        start = time.monotonic()
+        result = sandbox.step(bash("sleep 1000 & while true; do :; done"))
+        assert time.monotonic() - start < 20
+        assert result.info.get("timed_out") and "timed out" in result.observation.text
+        bomb = sandbox.step(bash(":(){ :|:& };:; sleep 2; echo survived"))
+        assert "alive" in sandbox.step(bash("echo alive")).observation.text
+    running = subprocess.run(["docker", "ps", "-q", "--filter", "name=bpo-swe-"], capture_output=True, text=True)
+    assert not running.stdout.strip(), "a container outlived its command"
+    assert "Resource temporarily unavailable" in bomb.observation.text or bomb.info.get("timed_out"), bomb
+
+
+def test_the_testbed_is_extracted_once_per_image(swe_docker_tasks, monkeypatch):
+    from sandbox_adapters.swebench import docker as docker_backend
+
+    tasks, cache = swe_docker_tasks
+    with _sandbox(cache) as first:
+        first.reset(tasks[1])  # extracted here, or by an earlier test
+    calls = []
+    original = docker_backend._docker
+    monkeypatch.setattr(docker_backend, "_docker", lambda binary, *args, **kw: (calls.append(args[0]),
+                                                                                  original(binary, *args, **kw))[1])
+    with _sandbox(cache) as second:
+        second.reset(tasks[1])
+        assert "Wrote" in second.step("```write x.txt\nx\n```").observation.text
+    assert "cp" not in calls and "create" not in calls
+
+
+def test_image_names_follow_the_swebench_harness():
+    from sandbox_adapters.swebench.docker import instance_image_name
+
+    assert instance_image_name({"instance_id": "astropy__astropy-12907"}) == \
+        "swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest"
+    assert instance_image_name({"instance_id": "x__y-1", "image": "mine:1"}) == "mine:1"
+    assert instance_image_name({"instance_id": "x__y-1", "image": "local"}).startswith("swebench/")
