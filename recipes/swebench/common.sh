@@ -1,6 +1,9 @@
 # SWE-bench settings shared by its BPO / GRPO / RLOO recipes; the run scripts source this file.
-# Data: python -m verl_bpo.data.prepare swebench --out "$DATA_DIR" --train-instances ... --val-instances
-# SWE-bench-Verified.jsonl (local checkouts per instance; recipes/README.md). Needs bubblewrap on the node.
+# Data: python -m verl_bpo.data.prepare swebench --backend docker --no-render --out "$DATA_DIR"
+#   --train-instances <SWE-bench-schema train set> --val-instances <local copy of SWE-bench Verified (.parquet/.jsonl)>
+# Every instance runs in its image (swebench/sweb.eval.x86_64.<id>): each node needs a Docker engine started as
+# `dockerd --bridge=none --iptables=false` holding those images (docker load them; nothing is pulled), and root for
+# the per-sandbox disk quota. recipes/README.md has the local-checkout alternative.
 BENCHMARK=swebench
 # 8 issues per step x rollout.n=8 leaves = 64 repository sandboxes (and 64 test-suite gradings) per step.
 TRAIN_BATCH_SIZE=8
@@ -12,7 +15,8 @@ MAX_RESPONSE_LENGTH=28672
 MAX_TURNS=30
 # Room for a whole-file ```write block.
 MAX_TOKENS_PER_TURN=2048
-# The submit step grades the patch: extraction, application and the eval script get up to 300 s each.
+# The submit step grades the patch in a fresh container: extraction, application and the eval script get up to
+# 300 s each.
 STEP_TIMEOUT_S=1000
 # 32k-token sequences: split each across 4 GPUs (Ulysses).
 SP_SIZE=4

@@ -122,3 +122,30 @@ def test_image_names_follow_the_swebench_harness():
         "swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest"
     assert instance_image_name({"instance_id": "x__y-1", "image": "mine:1"}) == "mine:1"
     assert instance_image_name({"instance_id": "x__y-1", "image": "local"}).startswith("swebench/")
+
+
+def test_prepare_maps_a_local_swe_bench_verified_copy_to_image_names(swe_tasks, tmp_path):
+    """``prepare swebench --backend docker`` on a local copy of the dataset: no checkouts, one image per instance."""
+    import json
+
+    import pandas as pd
+
+    from verl_bpo.data import prepare
+
+    verified = tmp_path / "SWE-bench_Verified.jsonl"
+    rows = []
+    for task, instance_id in zip(swe_tasks[:2], ["astropy__astropy-12907", "django__django-11099"], strict=True):
+        row = {k: v for k, v in task.items() if k not in ("repo_path", "image")}
+        rows.append({**row, "instance_id": instance_id})
+    rows[1]["image"] = "registry.example/own-build:7"  # an image the dataset names is kept
+    verified.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    prepare.main(["swebench", "--backend", "docker", "--no-render", "--out", str(out),
+                  "--train-instances", str(verified), "--val-instances", str(verified)])
+    for split in ("train", "val"):
+        written = pd.read_parquet(out / f"{split}.parquet").to_dict("records")
+        sandbox = json.loads(written[0]["extra_info"]["sandbox"])
+        assert sandbox["name"] == "swebench" and sandbox["config"]["backend"] == "docker"
+        images = [json.loads(r["extra_info"]["task"])["image"] for r in written]
+        assert images == ["swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest", "registry.example/own-build:7"]
+        assert all("repo_path" not in json.loads(r["extra_info"]["task"]) for r in written)

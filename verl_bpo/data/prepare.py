@@ -17,10 +17,14 @@ How each benchmark's tasks are enumerated (the ``BENCHMARKS`` table):
     ``train``) and ``--val-split`` (default ``valid_unseen``) under ``--data-dir`` (or ``$ALFWORLD_DATA``, laid out
     as ``alfworld-download`` leaves it).
 ``swebench``
-    SWE-bench-schema instances from local ``.json``/``.jsonl`` files (``--train-instances``, ``--val-instances``),
-    each with a git checkout at ``<repos dir>/<instance_id>`` (``--train-repos-dir``/``--val-repos-dir``, default
-    ``repos/`` next to the file). SWE-bench Verified has only a test split: train on a SWE-bench-schema training
-    set and validate on Verified.
+    SWE-bench-schema instances from local ``.json``/``.jsonl``/``.parquet`` files (``--train-instances``,
+    ``--val-instances``). With ``--backend docker`` (the way to run SWE-bench Verified) each instance runs in its
+    image: the dataset's ``image`` field, else the name the SWE-bench harness derives from the instance id
+    (``swebench/sweb.eval.x86_64.<id with __ as _1776_>:latest``, namespace ``--image-namespace``); the images must
+    be on the training nodes' Docker engine (``docker load``/build them; nothing is pulled). With the default
+    ``--backend local`` each instance needs a git checkout at ``<repos dir>/<instance_id>``
+    (``--train-repos-dir``/``--val-repos-dir``, default ``repos/`` next to the file). SWE-bench Verified has only
+    a test split: train on a SWE-bench-schema training set and validate on Verified.
 
 Smoke-size data (``--generate N``) comes from this project's own generators (a synthetic WebShop catalogue, ALFRED-
 format problems turned into ALFWorld games by the real ``alfworld-generate``, small buggy Python repositories):
@@ -169,16 +173,30 @@ def _swebench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-instances", help="SWE-bench-schema .json/.jsonl, e.g. SWE-bench Verified exported")
     parser.add_argument("--val-repos-dir", help="checkouts <dir>/<instance_id> (default: repos/ next to the file)")
     parser.add_argument("--generate", type=int, metavar="N",
-                        help="generate N train and max(1, N // 3) val tasks into OUT/source (smoke data)")
+                        help="generate N train and max(1, N // 3) val tasks into OUT/source (smoke data; with "
+                             "--backend docker their images are built on --base-image)")
+    parser.add_argument("--backend", choices=("local", "docker"), default="local",
+                        help="docker: every instance runs in its image (SWE-bench Verified); local: checkouts")
+    parser.add_argument("--image-namespace", default="swebench",
+                        help="namespace of derived image names (default swebench, as the SWE-bench harness)")
+    parser.add_argument("--base-image", default="bpo/swe-base:bookworm",
+                        help="base of the images built for --generate --backend docker (scripts/setup.sh makes it)")
 
 
 def _swebench_plan(args: argparse.Namespace) -> Plan:
     from sandbox_adapters.swebench.tasks import generate_tasks, load_tasks
 
+    docker = args.backend == "docker"
     notes, tasks = [], {}
     for split in SPLITS:
         path = getattr(args, f"{split}_instances")
-        if path:
+        if path and docker:
+            from sandbox_adapters.swebench.docker import instance_image_name
+            from swebench.harness.utils import load_swebench_dataset
+
+            tasks[split] = [{**inst, "image": instance_image_name(inst, args.image_namespace)}
+                            for inst in load_swebench_dataset(os.path.abspath(path))]
+        elif path:
             tasks[split] = load_tasks(path, getattr(args, f"{split}_repos_dir"))
         elif args.generate:
             num = args.generate if split == "train" else max(1, args.generate // 3)
@@ -187,9 +205,22 @@ def _swebench_plan(args: argparse.Namespace) -> Plan:
             tasks[split] = [{**inst, "repo_path": os.path.join(out, "repos", inst["instance_id"])}
                             for inst in generate_tasks(out, num=num, seed=args.seed + SPLITS.index(split) * 1000)]
             notes.append(f"generated {num} {split} tasks in {out} (smoke data, not SWE-bench)")
+            if docker:
+                from sandbox_adapters.swebench.docker import build_instance_image, instance_image_name
+
+                for task in tasks[split]:
+                    image = instance_image_name({"instance_id": task["instance_id"]}, args.image_namespace)
+                    task["image"] = build_instance_image(image, task.pop("repo_path"), args.base_image)
+                notes.append(f"built the {split} tasks' images on {args.base_image}")
         else:
             raise ValueError(f"swebench: give --{split}-instances FILE (or --generate N for smoke data)")
-        tasks[split] = [{**t, "repo_path": os.path.abspath(t["repo_path"])} for t in tasks[split]]
+        if not docker:
+            tasks[split] = [{**t, "repo_path": os.path.abspath(t["repo_path"])} for t in tasks[split]]
+    if docker:
+        images = sorted({t["image"] for split in SPLITS for t in tasks[split]})
+        notes.append(f"{len(images)} instance image(s), e.g. {images[0]}: they must be on every training node's "
+                     "Docker engine (nothing is pulled)")
+        return Plan("swebench", {"backend": "docker"}, tasks, notes)
     return Plan("swebench", {}, tasks, notes)
 
 
