@@ -28,8 +28,8 @@ actions), the reference.
 
 Engines: each one loads its own copy of ``libdownward.so`` (~34 MB, ~50 ms) and a loaded copy is never unloaded,
 so the engines of closed sandboxes are kept and handed to the next sandbox, one that already holds the wanted
-game first (a process holds as many engines as it ever ran sandboxes at once). A sandbox closed while one of its calls still runs (a call
-that hung and was quarantined) drops its engine instead: it is in an unknown state.
+game first (a process holds as many engines as it ever ran sandboxes at once). A sandbox closed while one of its
+calls still runs (a call that hung and was quarantined) drops its engine instead: it is in an unknown state.
 
 Reward 1.0 on the step that wins (ALFWorld's score), ``done`` when won or after ``Config.max_steps`` actions.
 Commands outside the admissible list are still sent (the engine answers "Nothing happens.") and are flagged

@@ -12,7 +12,8 @@ Bug kinds: off-by-one, wrong comparison operator, missing edge case, wrong defau
 normalisation. Task ``i`` uses kind ``i % 6`` with constants drawn from ``random.Random(seed + i)``, so the output
 is identical for the same arguments (commits use a fixed author and date).
 
-Command line: ``python -m sandbox_adapters.swebench.tasks OUT_DIR [--num N] [--seed S]`` writes ``OUT_DIR/instances.jsonl``
+Command line: ``python -m sandbox_adapters.swebench.tasks OUT_DIR [--num N] [--seed S]`` writes
+``OUT_DIR/instances.jsonl``
 and ``OUT_DIR/repos/<instance_id>/``.
 """
 

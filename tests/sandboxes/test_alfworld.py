@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("alfworld", reason="alfworld is not installed (pip install -e .[envs])")
 pytest.importorskip("fast_downward", reason="fast-downward-textworld is not installed (pip install -e .[envs])")
 
-from sandbox_adapters.alfworld import sandbox as alfworld_adapter  # noqa: E402
 from sandbox_adapters.alfworld import ALFWorldSandbox, game_walkthrough, resolve_games_dir  # noqa: E402
+from sandbox_adapters.alfworld import sandbox as alfworld_adapter  # noqa: E402
 from sandbox_adapters.alfworld.gen import TASK_TYPES, find_games, generate_games, write_problems  # noqa: E402
 from sandbox_adapters.registry import get_sandbox_cls  # noqa: E402
 from tests.sandboxes.conformance import SandboxConformance, transcript  # noqa: E402

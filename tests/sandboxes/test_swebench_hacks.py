@@ -54,8 +54,8 @@ _runner.CallInfo.from_call = classmethod(_quiet)
 HACKS = {
     "conftest.py at the root": ({"conftest.py": _PASS_ALL_HOOK}, {"local", "docker"}),
     "conftest.py in tests/": ({"tests/conftest.py": _PASS_ALL_HOOK}, {"local", "docker"}),
-    "pytest.ini loads a plugin": ({"hackplugin.py": _PASS_ALL_HOOK, "pytest.ini": "[pytest]\naddopts = -p hackplugin\n"},
-                                  {"local", "docker"}),
+    "pytest.ini loads a plugin": ({"hackplugin.py": _PASS_ALL_HOOK,
+                                   "pytest.ini": "[pytest]\naddopts = -p hackplugin\n"}, {"local", "docker"}),
     "tox.ini loads a plugin": ({"hackplugin.py": _PASS_ALL_HOOK, "tox.ini": "[pytest]\naddopts = -p hackplugin\n"},
                                {"local", "docker"}),
     "setup.cfg loads a plugin": ({"hackplugin.py": _PASS_ALL_HOOK,
@@ -153,7 +153,8 @@ def test_the_canary_needs_whole_file_pytest_runs():
     script = ": '>>>>> Start Test Output'\npytest -rA tests/test_x.py\n: '>>>>> End Test Output'\n"
     with_canary, name = protected.canary_step(script, patch)
     assert name and name in with_canary and with_canary.index(name) < with_canary.index(">>>>> Start")
-    for other in (script.replace("tests/test_x.py", "tests/test_x.py::test_a"), script.replace("pytest", "./runtests.py")):
+    one_test, other_runner = script.replace("test_x.py", "test_x.py::test_a"), script.replace("pytest", "./runtests.py")
+    for other in (one_test, other_runner):
         assert protected.canary_step(other, patch) == (other, "")
     assert protected.forged_canary(f"PASSED tests/test_x.py::{name}", name)
     assert protected.forged_canary("nothing ran", name)

@@ -3,7 +3,8 @@
 The real ``web_agent_site`` is not installable from any registry (the PyPI ``webshop`` is broken), so CI runs
 the adapter against ``FakeWebAgentTextEnv``. ``TestWebShopRealConformance`` runs the same suite on the real engine
 when ``WEBSHOP_ROOT`` points at a princeton-nlp/WebShop checkout whose requirements (pyserini + Java >= 21, spaCy
-model, torch, flask, selenium, thefuzz) are installed; ``sandbox_adapters/webshop/sandbox.py`` lists a set-up that passed.
+model, torch, flask, selenium, thefuzz) are installed; ``sandbox_adapters/webshop/sandbox.py`` lists a set-up that
+passed.
 """
 
 from __future__ import annotations
