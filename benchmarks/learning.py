@@ -46,7 +46,7 @@ from verl_bpo.demo.tasks import TASKS, DemoTask, task_model
 from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 
 ESTIMATORS = ("bpo", "grpo", "rloo")
-N_LEAVES, BATCH, LR, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 4, 3e-4, 384, 6
+N_LEAVES, BATCH, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 4, 384, 6
 
 
 def bpo_block(task: DemoTask, estimator: str, max_leaves: int) -> dict:
@@ -63,7 +63,7 @@ def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, max_leav
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LocalRLConfig(estimator=estimator, n_leaves=N_LEAVES, batch_size=BATCH, lr=LR,
+    config = LocalRLConfig(estimator=estimator, n_leaves=N_LEAVES, batch_size=BATCH, lr=task.lr,
                            response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, max_leaves))
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
@@ -209,7 +209,8 @@ def main() -> None:
         result.update({f"{name}_{k}": v for k, v in summary.items()})
         plot(task, runs, out / f"learning_{name}.png")
         (out / f"runs_{name}.json").write_text(json.dumps(runs))
-    result.update({"seeds": args.seeds, "updates": args.updates, "lr": LR, "n_leaves": N_LEAVES, "batch": BATCH,
+    result.update({"seeds": args.seeds, "updates": args.updates, "lr": {t: TASKS[t].lr for t in args.tasks},
+                   "n_leaves": N_LEAVES, "batch": BATCH,
                    "max_leaves": args.max_leaves, "wall_s": round(time.monotonic() - start)})
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out}/learning_*.png and learning.json")

@@ -31,7 +31,7 @@ def test_pool_adjacent_violators_is_the_nondecreasing_least_squares_fit():
 def test_variogram_by_split_depth_on_a_hand_built_tree():
     # Root 0 -> 1, 2; node 1 -> 3 -> (5, 6) splits at depth 2; node 2 -> 4 is a leaf.
     record = TreeRecord(leaf_paths=[(0, 1, 3, 5), (0, 1, 3, 6), (0, 2, 4)], leaf_returns=[1.0, 0.0, 1.0],
-                        leaf_masses=[0.25, 0.25, 0.5], turn_uncertainty={}, turn_tokens={}, explore=True)
+                        leaf_masses=[0.25, 0.25, 0.5], turn_uncertainty={}, turn_tokens={}, score_free=True)
     profile = DepthProfile(horizon=4, prior=0.0, window=10**6)
     profile.update(record)
     # Depth 0 pairs: (5, 4): 0, (6, 4): 0.5 -> mean 0.25; depth 2 pair: (5, 6): 0.5.
@@ -109,7 +109,7 @@ def test_exploration_trees_have_the_fixed_shape_and_fork_depths_spread_evenly():
                 fork_depths.append(next(j for j in range(1, len(a)) if a[j] != b[j]) - 1)
     counts = np.bincount(fork_depths, minlength=T)[1:]
     assert counts.min() > 0.6 * counts.mean()  # uniform over depths 1 .. T-1
-    assert policy.profile.explore_trees > 0.5 * 400  # every tree taught the profile (its weights decay slowly)
+    assert policy.profile.variogram_trees > 0.5 * 400  # every tree taught the variogram (weights decay slowly)
 
 
 def test_the_policy_explores_during_warm_up_then_on_a_share_of_trees():

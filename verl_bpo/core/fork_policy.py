@@ -298,7 +298,8 @@ class AllocationPlan(_BudgetedPlan):
 
 class ExplorePlan(_BudgetedPlan):
     """The exploration shape: max(2, N/2) root paths, each forking once into 2 at a depth drawn uniformly from
-    [1, max_turns − 1] (a fork hazard of 1 / (max_turns − depth) at each depth), independent of any score."""
+    [1, H − 1] (a fork hazard of 1 / (H − depth) at each depth), independent of any score. H is the expected
+    episode length the profile has learned (``max_turns`` before any tree), so forks land where episodes go."""
 
     explore = True
 
@@ -307,12 +308,13 @@ class ExplorePlan(_BudgetedPlan):
         self.root_width = min(self.cap, max(2, n_leaves // 2))
         self.branches = self.root_width
         self.extra_leaves = (n_leaves - self.root_width) if self.unit == "leaves" else self.root_width
+        self.horizon = min(config.max_turns, max(2, round(profile.episode_cost("turns"))))
 
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         widths = []
         for view in views:
             fork = (view.forks_on_path == 0 and self.extra_leaves > 0 and self.room - sum(w - 1 for w in widths) > 0
-                    and self.rng.random() < 1.0 / max(self.config.max_turns - view.depth, 1))
+                    and self.rng.random() < 1.0 / max(self.horizon - view.depth, 1))
             widths.append(2 if fork else 1)
             self.extra_leaves -= fork
         return widths
@@ -358,7 +360,7 @@ class ForkPolicy:
                                                  float(np.quantile(np.asarray(plan.scores), 1.0 - rate)))
             return
         if record is not None:
-            self.profile.update(dataclasses.replace(record, explore=plan.explore))
+            self.profile.update(dataclasses.replace(record, score_free=not plan.uses_scores))
 
     def metrics(self) -> dict[str, float]:
         return self.profile.metrics() if self.learned else {}

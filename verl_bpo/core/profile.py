@@ -8,8 +8,9 @@ log-probs) gives, per depth j < T:
     S_j   survival: the probability that an episode takes a turn at depth j (mass-weighted over leaves);
     e_j   gradient mass of a depth-j turn: mean over its tokens of 1 − p(token), an unbiased per-sample estimate of
           1 − Σπ², the squared norm of ∇_logits log π (so ē_j = S_j e_j per episode);
-    γ_j   the return variogram: ½(G_ℓ − G_ℓ')² over leaf pairs whose paths split at depth j, measured on trees of a
-          fixed, score-independent shape only (exploration trees), so forks placed by the profile never bias it;
+    γ_j   the return variogram: ½(G_ℓ − G_ℓ')² over leaf pairs whose paths split at depth j, measured on trees whose
+          forks were decided without reading any node's content (the learned plans decide by depth and budget
+          only), so the pairs at a split are fresh samples of the state there and the profile never biases itself;
     D^R_j = S_j γ_j − S_{j+1} γ_{j+1}: the return variance injected by the turn at depth j (γ_T = 0), each
           estimate shrunk by one standard error across trees.
 
@@ -47,7 +48,8 @@ class TreeRecord:
         leaf_masses: per leaf, w = Π 1/K.
         turn_uncertainty: per node (the turn leading into it), the mean over its tokens of 1 − p(token).
         turn_tokens: per node, the tokens its turn generated.
-        explore: the tree had the fixed, score-independent exploration shape (its pairs teach the variogram).
+        score_free: the tree's forks were decided without reading any node's content (its pairs teach the
+            variogram).
     """
 
     leaf_paths: Sequence[Sequence[int]]
@@ -55,7 +57,7 @@ class TreeRecord:
     leaf_masses: Sequence[float]
     turn_uncertainty: dict[int, float]
     turn_tokens: dict[int, float]
-    explore: bool = False
+    score_free: bool = False
 
 
 def pool_adjacent_violators(values: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
@@ -101,8 +103,8 @@ class DepthProfile:
         self.horizon, self.prior = horizon, prior
         self.decay = math.exp(-1.0 / max(window, 1))
         T = horizon
-        self.trees = 0.0  # decayed count of trees (all) and of exploration trees
-        self.explore_trees = 0.0
+        self.trees = 0.0  # decayed count of trees (all) and of those that teach the variogram
+        self.variogram_trees = 0.0
         self._alive = np.zeros(T)  # Σ over trees of Σ_ℓ w_ℓ 1[path takes turn j]
         self._uncertainty = np.zeros(T)  # ... w_ℓ e(turn j)
         self._tokens = np.zeros(T)  # ... w_ℓ tokens(turn j)
@@ -122,10 +124,10 @@ class DepthProfile:
                 self._alive[j] += mass
                 self._uncertainty[j] += mass * record.turn_uncertainty.get(node, 0.0)
                 self._tokens[j] += mass * record.turn_tokens.get(node, 1.0)
-        if record.explore:
+        if record.score_free:
             for array in (self._gamma, self._gamma_sq, self._gamma_trees):
                 array *= d
-            self.explore_trees = self.explore_trees * d + 1.0
+            self.variogram_trees = self.variogram_trees * d + 1.0
             for j, value in _variogram(record, self.horizon).items():
                 self._gamma[j] += value
                 self._gamma_sq[j] += value * value
@@ -182,7 +184,7 @@ class DepthProfile:
     def metrics(self) -> dict[str, float]:
         """``bpo/profile/...``: per depth the injected return variance, the allocation weight (normalised to sum 1)
         and the survival, for the depths where trees were seen."""
-        out = {"bpo/profile/trees": float(self.trees), "bpo/profile/explore_trees": float(self.explore_trees)}
+        out = {"bpo/profile/trees": float(self.trees), "bpo/profile/variogram_trees": float(self.variogram_trees)}
         injected, survival = self.injected_variance(), self.survival
         weights = self.weights() * survival
         total = weights.sum()

@@ -1,10 +1,10 @@
 """The two embedded tasks of the CPU demo and the learning benchmark, and the tiny warm-started model for each.
 
-``late``  — the signpost corridor (:mod:`sandbox_adapters.signpost`): walk east (routine), then open the right
-            door (the red one, for every task); the outcome is decided by the last turn. The warm start walks well
-            and picks doors at random, so a fresh policy succeeds about half the time and RL has to learn the
-            choice. (With the right door drawn per task the tiny model learns a color preference, not to read the
-            sign, within the updates a 2-core box affords.)
+``late``  — the signpost corridor (:mod:`sandbox_adapters.signpost`) of six rooms: walk east five times
+            (routine), then open the right door (the red one, for every task); the outcome is decided by the last
+            turn. The warm start walks well and picks doors at random, so a fresh policy succeeds a third to half
+            of the time and RL has to learn the choice. (With the right door drawn per task the tiny model learns
+            a color preference, not to read the sign, within the updates a 2-core box affords.)
 ``early`` — the smoke corridor (:mod:`sandbox_adapters.smoke`) of two rooms: the first moves (which way to the
             key) decide; the warm start imitates a noisy expert half the time.
 
@@ -36,6 +36,7 @@ class DemoTask:
         max_turns: ``bpo.max_turns``.
         warm_start: keyword arguments of :func:`verl_bpo.demo.warm_start.warm_start`.
         target: the evaluation success that counts as reached (updates-to-target).
+        lr: the learning rate every estimator trains this task with.
     """
 
     name: str
@@ -46,6 +47,7 @@ class DemoTask:
     max_turns: int
     warm_start: Mapping[str, Any]
     target: float
+    lr: float
 
     def tasks(self, ids: range) -> list[dict[str, int]]:
         return [{"task_id": i} for i in ids]
@@ -53,15 +55,15 @@ class DemoTask:
 
 TASKS = {
     "late": DemoTask(
-        "late", "signpost", {"length": 4, "max_steps": 8, "num_tasks": 256, "invalid_penalty": 0.1,
+        "late", "signpost", {"length": 6, "max_steps": 8, "num_tasks": 256, "invalid_penalty": 0.1,
                              "right_door": "red"},
         train_ids=range(0, 192), eval_ids=range(192, 256), max_turns=8,
-        warm_start={"episodes": 96, "max_turns": 8, "steps": 200, "expert_prob": 0.9}, target=0.75),
+        warm_start={"episodes": 96, "max_turns": 8, "steps": 200, "expert_prob": 0.97}, target=0.75, lr=5e-4),
     "early": DemoTask(
         "early", "smoke", {"length": 2, "max_steps": 6, "key_reward": 0.5, "invalid_penalty": 0.1,
                            "num_tasks": 256},
         train_ids=range(0, 192), eval_ids=range(192, 256), max_turns=6,
-        warm_start={"episodes": 64, "max_turns": 6, "steps": 200, "expert_prob": 0.5}, target=0.5),
+        warm_start={"episodes": 64, "max_turns": 6, "steps": 200, "expert_prob": 0.5}, target=0.5, lr=1e-3),
 }
 
 
