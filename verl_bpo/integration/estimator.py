@@ -34,8 +34,9 @@ ESTIMATOR_NAME = "bpo"
 
 _MISSING_META = (
     "the `bpo` advantage estimator needs the tree metadata of every row (keyword `tree_meta`), which only the BPO "
-    "trainer passes. Launch BPO with `python -m verl_bpo.main algorithm.adv_estimator=bpo ...` (it wires the tree "
-    "agent loop and the trainer that forwards the metadata)."
+    "trainer passes. Launch BPO with `python -m verl_bpo.main algorithm.adv_estimator=bpo ...`, or with verl's "
+    "`python -m verl.trainer.main_ppo ... algorithm.adv_estimator=bpo` while verl-bpo is installed (both wire the "
+    "tree agent loop and the trainer that forwards the metadata)."
 )
 
 
