@@ -77,9 +77,10 @@ def test_a_last_move_decision_keeps_a_narrow_root_and_forks_the_last_turn():
     results, policy = grow("late", learned(warmup_trees=200, explore_share=0.0), 260)
     weights = policy.profile.weights()
     assert weights[-1] > 0.8 * weights.sum()
+    roots = [shape(r)["root"] for r in results[200:]]
+    assert max(roots) <= 3 and np.mean(roots) < 2.3  # a narrow root
     for result in results[200:]:
-        depths = [leaf.meta.num_turns for leaf in result.leaves]
-        assert shape(result)["root"] == 2 and min(depths) == T  # a narrow root; every path runs to the end
+        assert min(leaf.meta.num_turns for leaf in result.leaves) == T  # every path runs to the end
         assert shape(result)["leaves"] > 4 * N  # the budget of N·T turns buys many last-turn samples
     steps = [r.metrics["bpo/env_steps"] for r in results[200:]]
     assert 0.9 * N * T < np.mean(steps) < 1.02 * N * T  # ... and spends the turn budget, no more

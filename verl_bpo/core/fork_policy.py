@@ -100,6 +100,7 @@ class _Plan:
 
     unit = "leaves"  # what budgets count: leaves, turns or tokens
     uses_scores = True  # the sampler scores candidates only for plans that read the scores
+    waves = False  # the plan ranks a whole wave's candidates, so the tree must grow in waves
     explore = False
 
     def __init__(self, config: BPOConfig, n_leaves: int) -> None:
@@ -122,8 +123,9 @@ class _Plan:
     def release(self, budget: float | None) -> None:
         """A branch ended holding ``budget``."""
 
-    def share(self, budgets: Sequence[float | None]) -> list[float | None]:
-        """The running branches' budgets with what ended branches left unspent shared among them."""
+    def share(self, budgets: Sequence[float | None], running: int | None = None) -> list[float | None]:
+        """``budgets`` of some of the ``running`` branches (default: all of them), with their share of what ended
+        branches left unspent."""
         return list(budgets)
 
     def record_fork(self, branches: int) -> None:
@@ -142,6 +144,7 @@ class FixedPlan(_Plan):
 
     def __init__(self, config: BPOConfig, n_leaves: int, threshold: float) -> None:
         super().__init__(config, n_leaves)
+        self.waves = config.selector == "topB_wave" and not config.is_flat(n_leaves)
         self.budget = ForkBudget(n_leaves, self.root_width)
         self.forks_wanted = math.ceil(self.budget.leaves_left / (config.k - 1))  # forks of K the budget allows
         self.threshold = threshold  # quantile's τ, fixed for the tree when it starts
@@ -211,14 +214,15 @@ class _BudgetedPlan(_Plan):
     def release(self, budget: float | None) -> None:
         self.pool += max((budget or 0.0) - (1.0 if self.unit == "leaves" else 0.0), 0.0)
 
-    def share(self, budgets: Sequence[float | None]) -> list[float | None]:
+    def share(self, budgets: Sequence[float | None], running: int | None = None) -> list[float | None]:
+        running = max(running or len(budgets), len(budgets))
         if not budgets or self.pool <= 0:
             return list(budgets)
         if self.unit == "leaves":
-            extra = self.split(self.pool, len(budgets))
+            extra = self.split(self.pool, running)[: len(budgets)]
         else:
-            extra = [self.pool / len(budgets)] * len(budgets)
-        self.pool = 0.0 if self.unit != "leaves" else self.pool - sum(extra)
+            extra = [self.pool / running] * len(budgets)
+        self.pool -= sum(extra)
         return [b + e for b, e in zip(budgets, extra)]
 
     def record_fork(self, branches: int) -> None:

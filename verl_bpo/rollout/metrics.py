@@ -6,6 +6,10 @@ the same metric is a flat run's plain mean and the two compare directly.
 
 Cost metrics count what the tree spent, shared prefixes once: ``env_steps`` sandbox steps (one per generated
 turn), ``generated_tokens`` (probes included), ``restores``, and ``trainer_rows`` (leaf rows the trainer trains on).
+
+Wall time: ``wall_s`` of the tree, and where its branches spent theirs, summed over branches: ``generate_s``
+waiting for generations, ``sandbox_s`` in sandbox steps, ``fork_s`` in snapshots and restores, and ``wait_s`` the
+rest of their lives (waiting for a thread or an engine lock, or for the slowest branch of a wave).
 """
 
 from __future__ import annotations
@@ -53,4 +57,10 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
         values = seconds.get(kind)
         if values:
             metrics[f"bpo/{kind}_ms"] = 1e3 * sum(values) / len(values)
+    sandbox_s = sum(seconds.get("step", ()))
+    fork_s = sum(seconds.get("snapshot", ())) + sum(seconds.get("restore", ()))
+    metrics.update({
+        "bpo/wall_s": state.wall_s, "bpo/generate_s": state.generate_s, "bpo/sandbox_s": sandbox_s,
+        "bpo/fork_s": fork_s, "bpo/wait_s": max(state.branch_s - state.generate_s - sandbox_s - fork_s, 0.0),
+    })
     return metrics

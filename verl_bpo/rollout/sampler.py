@@ -2,15 +2,17 @@
 
 The worker's :class:`~verl_bpo.core.fork_policy.ForkPolicy` gives the tree its plan. The root is a fork of K0
 (K0 = N with no later fork is *flat mode*: N independent rollouts through the same code, the GRPO/RLOO baseline).
-Then the tree grows in waves; in each wave every live branch stands on a fresh node:
+Then every branch, at each node it reaches:
 
-  1. **decide** — every eligible node is read from a frozen view of its own history and budget (and scored, for
-     plans that use a fork score), and the plan gives each a width; a node of width K ≥ 2 is forked: its sandbox is
+  1. **decides** — the node is read from a frozen view of its own history and budget (and scored, for plans that
+     use a fork score), and the plan gives it a width; a node of width K ≥ 2 is forked: its sandbox is
      snapshotted once, K − 1 fresh sandboxes are restored from it (each re-seeded), the transcript is copied, and
      the node's budget is split among the K branches;
-  2. **act** — every branch (the original included) samples a fresh turn, spends its cost, and steps its sandbox,
-     all concurrently. What a branch leaves unspent when its episode ends is shared among the branches still
-     running at the next wave.
+  2. **acts** — the branch (the original included) samples a fresh turn, spends its cost, and steps its sandbox.
+     What a branch leaves unspent when its episode ends is shared among the branches still running.
+
+Branches run concurrently at their own pace (generation and sandbox steps of different branches overlap); only
+the fixed rule's ``topB_wave`` selector, which ranks the candidates of a whole wave, grows the tree in waves.
 
 When the tree is done the policy learns from it (the profile of a learned allocation).
 
@@ -29,6 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -98,6 +101,7 @@ class TreeSampler:
     # --- the tree, top to bottom --------------------------------------------------------------------------------
     async def run(self) -> TreeResult:
         self.plan = plan = self.policy.start_tree(self.n_leaves, seed=self.rng.randrange(2**31))
+        start = time.perf_counter()
         try:
             started = await self._start_episode()
             if isinstance(started, _Unstarted):
@@ -106,23 +110,55 @@ class TreeSampler:
             root.budget = plan.root_budget
             self.tree.branches = [root, *await self._fork(root, plan.root_width)]
             self._split_budget(self.tree.branches)
-            while active := self.tree.active():
-                for branch, budget in zip(active, plan.share([b.budget for b in active])):
-                    branch.budget = budget
-                if self.config.anticipating:  # the biased ablation draws the kept turn before deciding
-                    await asyncio.gather(*(self._draw_pending(b) for b in active))
-                await self._decide([b for b in active if b.node != 0])
-                await asyncio.gather(*(self._act(b) for b in active))
-                for branch in active:
-                    if branch.done:
-                        plan.release(branch.budget)
+            if plan.waves:
+                await self._grow_in_waves()
+            else:
+                await self._grow_branches(self.tree.branches)
         finally:
             await asyncio.gather(*(self._close(b) for b in self.tree.open_sandboxes()))
+            self.tree.wall_s = time.perf_counter() - start
         self.policy.finish_tree(plan, self.tree.record())
         return self._result()
 
-    async def _decide(self, branches: list[Branch]) -> None:
-        """Read every eligible node from its own frozen view, then fork the ones the plan widens."""
+    async def _grow_in_waves(self) -> None:
+        """Every live branch advances one turn per wave: a plan that ranks a wave's candidates sees them all."""
+        plan = self.plan
+        while active := self.tree.active():
+            for branch, budget in zip(active, plan.share([b.budget for b in active])):
+                branch.budget = budget
+            if self.config.anticipating:  # the biased ablation draws the kept turn before deciding
+                await asyncio.gather(*(self._draw_pending(b) for b in active))
+            await self._decide([b for b in active if b.node != 0])
+            await asyncio.gather(*(self._act(b) for b in active))
+            for branch in active:
+                if branch.done:
+                    plan.release(branch.budget)
+
+    async def _grow_branches(self, branches: list[Branch]) -> None:
+        """Every branch goes its own pace, deciding at each node as it reaches it: no branch waits for a slower
+        one, and generation and sandbox steps of different branches overlap."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for branch in branches:
+                    group.create_task(self._grow_branch(branch, group))
+        except BaseExceptionGroup as errors:  # one branch's error (e.g. a misconfigured server) is the tree's
+            raise errors.exceptions[0] from None
+
+    async def _grow_branch(self, branch: Branch, group: asyncio.TaskGroup) -> None:
+        plan = self.plan
+        while not branch.done:
+            branch.budget = plan.share([branch.budget], running=len(self.tree.active()))[0]
+            if self.config.anticipating:
+                await self._draw_pending(branch)
+            if branch.node != 0:
+                for child in await self._decide([branch]):
+                    group.create_task(self._grow_branch(child, group))
+            await self._act(branch)
+        plan.release(branch.budget)
+
+    async def _decide(self, branches: list[Branch]) -> list[Branch]:
+        """Read every eligible node from its own frozen view, then fork the ones the plan widens; returns the new
+        branches."""
         plan = self.plan
         views = [(b, b.view(self.config.max_turns)) for b in branches]
         candidates = [(b, v) for b, v in views if plan.eligible(v)]
@@ -130,6 +166,7 @@ class TreeSampler:
             scores = list(await asyncio.gather(*(self.scorer(b, v) for b, v in candidates)))
         else:
             scores = [0.0] * len(candidates)
+        forked: list[Branch] = []
         for (branch, _), width in zip(candidates, plan.widths([v for _, v in candidates], scores)):
             if width >= 2:
                 children = await self._fork(branch, width)
@@ -138,6 +175,8 @@ class TreeSampler:
                     self.tree.forks += 1
                     self.tree.branches.extend(children)
                     self._split_budget([branch, *children])
+                    forked.extend(children)
+        return forked
 
     def _split_budget(self, siblings: list[Branch]) -> None:
         """A fork's budget, split among its branches (the original included)."""
@@ -229,7 +268,9 @@ class TreeSampler:
         room = self.response_length - len(branch.transcript.response_mask)
         cap = room if self.config.max_tokens_per_turn is None else min(room, self.config.max_tokens_per_turn)
         params = {**self.sampling_params, "max_tokens": max(cap, 1)}
+        start = time.perf_counter()
         out = await self.llm.generate(self.request_id, prompt_ids=branch.transcript.token_ids, sampling_params=params)
+        self.tree.generate_s += time.perf_counter() - start
         self.tree.track_versions(out)
         token_ids, log_probs = list(out.token_ids), list(out.log_probs or [])
         if len(log_probs) != len(token_ids):
@@ -274,6 +315,7 @@ class TreeSampler:
     async def _close(self, branch: Branch) -> None:
         if branch.sandbox is not None:
             sandbox, branch.sandbox = branch.sandbox, None
+            self.tree.branch_s += time.perf_counter() - branch.born
             await self.calls.close(sandbox)
 
     # --- result -------------------------------------------------------------------------------------------------

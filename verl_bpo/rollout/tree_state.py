@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 from sandbox_adapters.base import Sandbox
@@ -38,6 +39,7 @@ class Branch:
         last_turn_surprisal: mean −log π of the turn that led to ``node``.
         pending: the kept turn drawn before the fork decision (the biased ``kept_turn_surprisal`` ablation only).
         budget: what the branch's subtree may still spend (learned plans; ``None`` under the fixed rule).
+        born: when the branch was created (``time.perf_counter``), for the tree's wall-time breakdown.
         done, failed, truncated, won: how the branch ended (``failed``: its last step crashed or hung).
         error: a short description of the failure, if any.
     """
@@ -54,6 +56,7 @@ class Branch:
     last_turn_surprisal: float | None = None
     pending: tuple[list[int], list[float]] | None = None
     budget: float | None = None
+    born: float = dataclasses.field(default_factory=time.perf_counter)
     done: bool = False
     failed: bool = False
     truncated: bool = False
@@ -69,7 +72,8 @@ class Branch:
     def copy_into(self, sandbox: Sandbox) -> Branch:
         """A sibling at the same node: its own sandbox and transcript, the same history."""
         return dataclasses.replace(self, sandbox=sandbox, transcript=self.transcript.copy(),
-                                   node_path=list(self.node_path), turn_rewards=list(self.turn_rewards), pending=None)
+                                   node_path=list(self.node_path), turn_rewards=list(self.turn_rewards), pending=None,
+                                   born=time.perf_counter())
 
 
 @dataclasses.dataclass
@@ -120,6 +124,9 @@ class TreeState:
         self.forks = 0
         self.generated_tokens = 0
         self.weight_versions: dict[str, int] = {}
+        self.generate_s = 0.0  # seconds the tree's branches spent waiting for generations, summed over branches
+        self.branch_s = 0.0  # seconds the tree's branches were alive, summed over branches
+        self.wall_s = 0.0  # the tree's wall time
         self.turn_tokens: dict[int, float] = {}  # per node: the tokens of the turn into it
         self.turn_uncertainty: dict[int, float] = {}  # per node: mean over its turn's tokens of 1 − p(token)
 
