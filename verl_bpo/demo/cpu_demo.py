@@ -1,11 +1,11 @@
 """The CPU demo: BPO vs GRPO at matched generated tokens in verl's real trainer, on an embedded sandbox, with a
 tiny model built locally.
 
-    python -m verl_bpo.demo [--steps 12] [--out runs/cpu_demo]
+    python -m verl_bpo.demo [--steps 24] [--out runs/cpu_demo]
 
 1. builds a tiny Qwen2 + tokenizer locally and warm-starts it on the late-decision task
-   (``verl_bpo.demo.tasks``: the signpost corridor — walk east, then open the right door): it walks well and
-   picks doors at random, so it succeeds about half the time and the decisive choice comes last;
+   (``verl_bpo.demo.tasks``: the signpost corridor — walk east five rooms, then open the right door): it walks
+   well and picks doors at random, so it succeeds a third to half of the time and the decisive choice comes last;
 2. writes the training tasks and disjoint held-out tasks as verl parquet;
 3. trains with ``algorithm.adv_estimator=bpo`` (one tree per task; ``bpo.allocation=learned`` under
    ``bpo.budget=tokens``: the tokens N flat rollouts would generate) and with ``grpo`` (N independent rollouts
@@ -18,7 +18,7 @@ tiny model built locally.
 
 What it shows: the whole stack (sandbox snapshots and forks, the learned allocation, tree metadata through verl's
 TransferQueue, the registered estimator, verl's FSDP update and weight sync to vLLM) working end to end, and the
-held-out success rising under both estimators in a dozen updates, per update and per generated token. One seed
+held-out success rising under both estimators within the run, per update and per generated token. One seed
 cannot say which is better: ``benchmarks/learning.py`` measures that over several seeds with confidence intervals.
 """
 
@@ -47,7 +47,7 @@ class DemoSettings:
 
     n_leaves = 8
     batch_size = 4
-    lr = 1e-3
+    lr = TASK.lr
     max_tokens_per_turn = 6
     response_length = 320  # eight turns and their observations fit
     eval_tasks = 32
@@ -99,7 +99,7 @@ def held_out_return(metrics: dict[str, float]) -> float | None:
 
 
 def run_overrides(estimator: str, model: Path, train_data: Path, val_data: Path, out: Path, steps: int,
-                  settings: DemoSettings, eval_every: int = 2) -> list[str]:
+                  settings: DemoSettings, eval_every: int = 3) -> list[str]:
     """verl overrides of one demo run; the two estimators' runs differ only in ``algorithm.adv_estimator``."""
     return cpu_launch.cpu_overrides(
         model, train_data, val_data, output_dir=out, n=settings.n_leaves, batch_size=settings.batch_size,
@@ -209,7 +209,7 @@ def draw_logged_tree(log: Path, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12, help="policy updates per estimator (default 12)")
+    parser.add_argument("--steps", type=int, default=24, help="policy updates per estimator (default 24)")
     parser.add_argument("--out", type=Path, default=Path("runs/cpu_demo"))
     args = parser.parse_args(argv)
     settings = DemoSettings()
