@@ -181,6 +181,9 @@ class SWEBenchSandbox(Sandbox):
             docker_cache_dir: where each image's ``/testbed`` is extracted once (default
                 ``~/.cache/verl-bpo/swe-testbeds``).
             docker_binary: the docker client (default ``docker``).
+            docker_writable_root_at_grading: give the grading containers a writable root file system (thrown
+                away with the container) for evaluation scripts that install packages outside ``/testbed``
+                (default False: read-only, as for the agent's commands, which always have it read-only).
             snapshot_backend: ``"auto"`` (default: overlayfs when a probe mount succeeds, else in-memory),
                 ``"overlay"`` (fail if overlayfs cannot be mounted) or ``"memory"`` (in-memory records).
             max_steps: actions after which the episode ends and is graded as if submitted (default 30; invalid
@@ -220,6 +223,7 @@ class SWEBenchSandbox(Sandbox):
         docker_cache_dir: str = dataclasses.field(
             default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "verl-bpo", "swe-testbeds"))
         docker_binary: str = "docker"
+        docker_writable_root_at_grading: bool = False
         snapshot_backend: str = "auto"
         max_steps: int = 30
         command_timeout_s: float = 30.0
@@ -328,7 +332,7 @@ class SWEBenchSandbox(Sandbox):
     def _image(self, task: Mapping[str, Any]) -> str:
         return self.config.docker_image or instance_image_name(task)
 
-    def _make_runner(self, directory: str, max_output_bytes: int | None = None) -> Runner:
+    def _make_runner(self, directory: str, max_output_bytes: int | None = None, grading: bool = False) -> Runner:
         """A runner for ``directory`` at ``/testbed``; agent commands keep a few times what is shown, grading all."""
         cfg = self.config
         keep = max_output_bytes or 4 * cfg.max_output_chars + 4096
@@ -336,7 +340,8 @@ class SWEBenchSandbox(Sandbox):
             runner: Runner = DockerRunner(
                 directory, self._image(self.task), self.limits, memory_bytes=cfg.memory_bytes,
                 max_processes=cfg.max_processes, cpus=cfg.cpus, uid=self.uid, mount_point=MOUNT_POINT,
-                max_output_bytes=keep, binary=cfg.docker_binary)
+                max_output_bytes=keep, binary=cfg.docker_binary,
+                read_only_root=not (grading and cfg.docker_writable_root_at_grading))
         else:
             runner = Confinement(
                 directory, self.limits, uid=cfg.sandbox_uid, mount_point=MOUNT_POINT,
@@ -346,7 +351,7 @@ class SWEBenchSandbox(Sandbox):
         return runner
 
     def _make_grading_runner(self, directory: str) -> Runner:
-        return self._make_runner(directory, max_output_bytes=self.config.max_file_bytes)
+        return self._make_runner(directory, max_output_bytes=self.config.max_file_bytes, grading=True)
 
     def _ensure_workspace(self) -> Workspace:
         if self._workspace is None:
