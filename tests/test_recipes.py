@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 import verl_bpo.integration
 from verl_bpo.data import prepare as prepare_data
-from verl_bpo.data import sandbox_rows
+from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.demo import cpu_demo
 from verl_bpo.integration.settings import AGENT_LOOPS_YAML, prepare_config, register_schema
 
@@ -48,6 +48,20 @@ def dry_run(script: Path, *extra: str, **env: str) -> list[str]:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def recipe_home(tmp_path_factory) -> Path:
+    """A HOME whose data/bpo/<benchmark>/{train,val}.parquet exist (placeholder rows with the recipe's sandbox
+    settings), since the checks before Ray read the datasets a recipe points at."""
+    home = tmp_path_factory.mktemp("home")
+    tasks = {"webshop": [{"goal_index": 0}], "alfworld": [{"game": "/nonexistent/game.tw-pddl"}],
+             "swebench": [{"instance_id": "x__y-1"}]}
+    for benchmark, (_, _, config) in prepare_data.BENCHMARKS.items():
+        for split in ("train", "val"):
+            write_sandbox_dataset(home / "data" / "bpo" / benchmark / f"{split}.parquet",
+                                  sandbox_rows(benchmark, tasks[benchmark], config, split=split, render=False))
+    return home
 
 
 def overrides_of(script: Path, *extra: str, **env: str) -> list[str]:
@@ -87,10 +101,10 @@ def test_every_benchmark_has_bpo_grpo_rloo_for_both_models():
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_recipe_composes_validates_and_resolves_to_its_components(script):
+def test_recipe_composes_validates_and_resolves_to_its_components(script, recipe_home):
     benchmark, estimator = script.parent.name, script.stem.split("_")[1]
     model_tag = script.stem.split("_", 2)[2]
-    cfg = compose_recipe(overrides_of(script))
+    cfg = compose_recipe(overrides_of(script, HOME=str(recipe_home)))
     bpo = prepare_config(cfg)  # what `python -m verl_bpo.main` checks before Ray starts
 
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
@@ -308,8 +322,6 @@ def test_prepare_data_runs_as_a_module(tmp_path):
 
 def test_the_cpu_demo_runs_compose_and_differ_only_in_the_estimator(tmp_path):
     from sandbox_adapters.registry import make_sandbox
-
-    from verl_bpo.data import write_sandbox_dataset
 
     demo = cpu_demo
     settings = demo.DemoSettings()
