@@ -75,6 +75,7 @@ swe_docker_setup() {
   if ! docker info >/dev/null 2>&1; then
     # setsid: the daemon outlives this script (the tests use it); no bridge network, no iptables rules
     setsid nohup dockerd --bridge=none --iptables=false >"$BPO_CACHE/dockerd.log" 2>&1 < /dev/null &
+    echo $! >"$BPO_CACHE/dockerd.pid"  # .ci/run stops the daemon it started when CI ends
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
     if ! docker info >/dev/null 2>&1; then
       echo "note: dockerd cannot start here (see $BPO_CACHE/dockerd.log: $(tail -n 1 "$BPO_CACHE/dockerd.log"));" \
