@@ -43,6 +43,7 @@ __all__ = [
     "Sandbox",
     "ACTION_LINE",
     "parse_text_command",
+    "match_action",
 ]
 
 # ``action: <command>`` on a line of its own; the last such line wins.
@@ -67,6 +68,18 @@ def parse_text_command(text: str, patterns: Sequence[re.Pattern] = (ACTION_LINE,
     if not candidate or len(candidate) > max_chars:
         return None
     return candidate
+
+
+def match_action(text: str, actions: Sequence[str], aliases: Mapping[str, str] | None = None) -> str | None:
+    """One of a fixed vocabulary of ``actions`` from a model turn: the last ``action:`` line, else the whole reply,
+    normalised (lower case, no quotes or trailing period) and mapped through ``aliases``. A reply that starts with
+    an action and rambles on ("take key key key", a turn cut at its token limit) still acts: losing the end-of-turn
+    habit should cost tokens, not make every episode unwinnable."""
+    lines = ACTION_LINE.findall(text)
+    candidate = " ".join((lines[-1] if lines else text).lower().strip().strip(".!`'\"").split())
+    candidate = (aliases or {}).get(candidate, candidate)
+    return next((a for a in sorted(actions, key=len, reverse=True)
+                 if candidate == a or candidate.startswith(a + " ")), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

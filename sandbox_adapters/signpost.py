@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from sandbox_adapters.base import (
-    ACTION_LINE,
     Observation,
     RestoreFailed,
     Sandbox,
@@ -30,6 +29,7 @@ from sandbox_adapters.base import (
     Snapshot,
     SnapshotKind,
     StepResult,
+    match_action,
 )
 from sandbox_adapters.registry import register_sandbox
 
@@ -37,7 +37,6 @@ __all__ = ["SignpostSandbox", "ACTIONS", "COLORS"]
 
 COLORS = ("red", "blue")
 ACTIONS: tuple[str, ...] = ("east", "west", "open red door", "open blue door", "look")
-_BY_LENGTH = sorted(ACTIONS, key=len, reverse=True)
 
 
 @register_sandbox("signpost")
@@ -106,9 +105,7 @@ class SignpostSandbox(Sandbox):
         return Observation(f"{intro}\n{self._describe()}", self._info())
 
     def parse_action(self, text: str) -> str | None:
-        lines = ACTION_LINE.findall(text)
-        candidate = " ".join((lines[-1] if lines else text).lower().strip().strip(".!`'\"").split())
-        return next((a for a in _BY_LENGTH if candidate == a or candidate.startswith(a + " ")), None)
+        return match_action(text, ACTIONS)
 
     def _step_text(self, action_text: str) -> StepResult:
         result = super()._step_text(action_text)

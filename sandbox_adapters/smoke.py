@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from sandbox_adapters.base import (
-    ACTION_LINE,
     Observation,
     RestoreFailed,
     Sandbox,
@@ -30,12 +29,12 @@ from sandbox_adapters.base import (
     Snapshot,
     SnapshotKind,
     StepResult,
+    match_action,
 )
 
 __all__ = ["SmokeSandbox", "ACTIONS"]
 
 ACTIONS: tuple[str, ...] = ("west", "east", "take key", "open door", "look")
-_BY_LENGTH = sorted(ACTIONS, key=len, reverse=True)
 _ALIASES = {"go west": "west", "go east": "east", "take the key": "take key", "open the door": "open door"}
 
 
@@ -141,13 +140,7 @@ class SmokeSandbox(Sandbox):
         return Observation(f"{intro}\n{self._describe()}", self._info())
 
     def parse_action(self, text: str) -> str | None:
-        lines = ACTION_LINE.findall(text)
-        candidate = lines[-1] if lines else text
-        candidate = " ".join(candidate.lower().strip().strip(".!`'\"").split())
-        candidate = _ALIASES.get(candidate, candidate)
-        # A reply that starts with an action and rambles on ("take key key key", a turn cut at its token limit)
-        # still acts: losing the end-of-turn habit should cost tokens, not make every episode unwinnable.
-        return next((a for a in _BY_LENGTH if candidate == a or candidate.startswith(a + " ")), None)
+        return match_action(text, ACTIONS, _ALIASES)
 
     def _step_text(self, action_text: str) -> StepResult:
         result = super()._step_text(action_text)
