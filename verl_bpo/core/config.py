@@ -66,7 +66,8 @@ class BPOConfig:
             ``explore_share`` of later ones take a fixed, score-independent exploration shape.
         budget: what a ``learned`` tree may spend. ``turns`` (the default under ``learned``): the generated turns
             N flat rollouts of this task would take (estimated from earlier trees); ``tokens``: their generated
-            tokens; ``leaves``: exactly N leaves. A ``fixed`` tree always has the ``leaves`` budget.
+            tokens; ``leaves``: at most N leaves (what a path that ends early leaves unspent goes to the branches still
+            running). A ``fixed`` tree always has the ``leaves`` budget, exactly N leaves.
         max_leaves: the most leaves a turn- or token-budget tree may grow (the sessions verl runs per task, so
             the trainer's rows per task at most); ``null`` (default) = 4 · N.
         warmup_trees: trees of exploration shape before the profile decides (``learned``). Default 32.
@@ -212,10 +213,13 @@ class BPOConfig:
         return dataclasses.replace(self, mode="tree" if estimator in TREE_ESTIMATORS else "flat")
 
     def is_flat(self, n_leaves: int) -> bool:
-        """N independent rollouts: flat mode, a root fork of N, or a single leaf (validation, ``val_kwargs.n=1``)."""
+        """N independent rollouts: flat mode, a single leaf (validation, ``val_kwargs.n=1``), or under the fixed
+        rule a root fork of N (the learned allocation ignores ``k`` and ``k0``)."""
         if self.mode == "auto":
             raise ValueError("resolve bpo.mode=auto with for_estimator() first")
-        return self.mode == "flat" or n_leaves < 2 or self.root_width(n_leaves) >= n_leaves
+        if self.mode == "flat" or n_leaves < 2:
+            return True
+        return self.allocation == "fixed" and self.root_width(n_leaves) >= n_leaves
 
     def root_width(self, n_leaves: int) -> int:
         """K0 for N leaves: N in flat mode, else ``k0`` (default ``k``), never more than N."""

@@ -21,8 +21,8 @@ Objects, from the longest-lived down:
     the previous finished tree's candidate scores (ρ = forks the budget allows / candidates seen; τ = −∞ at first).
   - :class:`AllocationPlan` (``learned``): every node holds a budget (turns, tokens, or leaves) and takes the width
     the learned profile gives it (budgeted Neyman allocation: children ∝ √(variance injected at that depth / cost));
-    when nothing below a node injects variance it does not fork, so a task decided by its first move gets K0 = N,
-    exactly RLOO.
+    a task decided by its first move gives the root nearly the whole budget (K0 close to N: about RLOO, which
+    under the model it cannot do worse than).
   - :class:`ExplorePlan` (``learned``, warm-up and ``explore_share``): K0 = N/2 root paths, each forking once into 2
     at a depth drawn uniformly, independent of any score; its leaf pairs teach the profile where outcomes split.
 
@@ -94,6 +94,9 @@ class ForkBudget:
             raise ValueError(f"a fork of {children} children does not fit the {self.leaves_left} leaves left")
         self.leaves_left -= children - 1
 
+    def refund(self, leaves: int) -> None:
+        self.leaves_left += leaves
+
 
 class _Plan:
     """What every plan offers the sampler (budgets are ``None`` when a plan keeps none)."""
@@ -128,8 +131,10 @@ class _Plan:
         branches left unspent."""
         return list(budgets)
 
-    def record_fork(self, branches: int) -> None:
-        """A fork of ``branches`` (fewer than planned when restores failed) was made."""
+    def fork_made(self, planned: int, made: int) -> None:
+        """A fork :meth:`widths` sized ``planned`` (which reserved its leaves then) got ``made`` branches, the
+        original included: fewer when snapshots or restores failed, and the leaves not made return to the budget.
+        Reserving at the decision keeps branches that decide while another fork is still restoring within it."""
 
     @property
     def leaves_left(self) -> float:
@@ -153,17 +158,13 @@ class FixedPlan(_Plan):
     def leaves_left(self) -> float:
         return float(self.budget.leaves_left)
 
-    def eligible(self, view: NodeView) -> bool:
-        """Candidates are scored even once the budget is spent: ``quantile`` learns ρ from all of them."""
-        return is_eligible(view, self.config)
-
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         """Children for each of a wave's eligible candidates (1 = no fork), within the leaves left.
 
         Only the candidates' own scores are read, and every width is decided before any child is drawn.
         """
         self.scores.extend(scores)
-        k, room = self.config.k, self.budget.leaves_left
+        k = self.config.k
         widths = [1] * len(scores)
         if self.config.selector == "topB_wave":
             order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable: ties keep arrival order
@@ -172,14 +173,14 @@ class FixedPlan(_Plan):
             order = [i for i, s in enumerate(scores) if s >= self.threshold]
             cap = None
         for i in order:
-            if room <= 0 or (cap is not None and sum(w > 1 for w in widths) >= cap):
+            if self.budget.leaves_left <= 0 or (cap is not None and sum(w > 1 for w in widths) >= cap):
                 break
-            widths[i] = min(k, room + 1)
-            room -= widths[i] - 1
+            widths[i] = min(k, self.budget.leaves_left + 1)
+            self.budget.spend(widths[i])
         return widths
 
-    def record_fork(self, branches: int) -> None:
-        self.budget.spend(branches)
+    def fork_made(self, planned: int, made: int) -> None:
+        self.budget.refund(planned - made)
 
 
 class _BudgetedPlan(_Plan):
@@ -225,8 +226,8 @@ class _BudgetedPlan(_Plan):
         self.pool -= sum(extra)
         return [b + e for b, e in zip(budgets, extra)]
 
-    def record_fork(self, branches: int) -> None:
-        self.branches += branches - 1
+    def fork_made(self, planned: int, made: int) -> None:
+        self.branches -= planned - made
 
     @property
     def room(self) -> int:
@@ -277,8 +278,8 @@ class AllocationPlan(_BudgetedPlan):
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         widths = []
         for view in views:
-            room = self.room - sum(w - 1 for w in widths)
-            widths.append(min(self._width(view.depth, view.budget), room + 1) if room > 0 else 1)
+            widths.append(min(self._width(view.depth, view.budget), self.room + 1) if self.room > 0 else 1)
+            self.branches += widths[-1] - 1  # reserved now; fork_made returns what the fork did not make
         return widths
 
     def _width(self, depth: int, budget: float | None) -> int:
@@ -317,10 +318,11 @@ class ExplorePlan(_BudgetedPlan):
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         widths = []
         for view in views:
-            fork = (view.forks_on_path == 0 and self.extra_leaves > 0 and self.room - sum(w - 1 for w in widths) > 0
+            fork = (view.forks_on_path == 0 and self.extra_leaves > 0 and self.room > 0
                     and self.rng.random() < 1.0 / max(self.horizon - view.depth, 1))
             widths.append(2 if fork else 1)
             self.extra_leaves -= fork
+            self.branches += fork
         return widths
 
 
@@ -346,9 +348,9 @@ class ForkPolicy:
 
     def start_tree(self, n_leaves: int, seed: int = 0) -> _Plan:
         """The plan of a tree of N = ``n_leaves``; ``seed`` drives its random choices (exploration, rounding)."""
-        self.trees_started += 1
         if not self.learned or self.config.is_flat(n_leaves):
             return FixedPlan(self.config, n_leaves, self.threshold.get(n_leaves, -math.inf))
+        self.trees_started += 1  # trees that can fork: flat validation groups do not use up the warm-up
         rng = random.Random(seed)
         explore = self.trees_started <= self.config.warmup_trees or rng.random() < self.config.explore_share
         cls = ExplorePlan if explore else AllocationPlan

@@ -108,10 +108,9 @@ class DepthProfile:
         self._alive = np.zeros(T)  # Σ over trees of Σ_ℓ w_ℓ 1[path takes turn j]
         self._uncertainty = np.zeros(T)  # ... w_ℓ e(turn j)
         self._tokens = np.zeros(T)  # ... w_ℓ tokens(turn j)
-        self._gamma = np.zeros(T)  # Σ over exploration trees of their mean ½(G − G')² at split depth j
+        self._gamma = np.zeros(T)  # Σ over score-free trees of their mean ½(G − G')² at split depth j
         self._gamma_sq = np.zeros(T)
         self._gamma_trees = np.zeros(T)
-        self.last_explore_stats: dict[int, float] = {}
 
     # --- learning -----------------------------------------------------------------------------------------------
     def update(self, record: TreeRecord) -> None:
@@ -213,10 +212,12 @@ def _fill_forward(values: np.ndarray) -> np.ndarray:
 
 
 def _variogram(record: TreeRecord, horizon: int) -> dict[int, float]:
-    """Per split depth j: the mean of ½(G − G')² over leaf pairs whose paths first differ at turn j."""
+    """Per split depth j: the mean of ½(G − G')² over leaf pairs whose paths first differ at turn j, each pair
+    weighted by its leaves' masses w_ℓ w_ℓ' (a subtree that grew more leaves, e.g. because its episode went on
+    longer, counts as much as its fork siblings, not more)."""
     sums: dict[int, float] = {}
-    counts: dict[int, int] = {}
-    paths, returns = record.leaf_paths, record.leaf_returns
+    weights: dict[int, float] = {}
+    paths, returns, masses = record.leaf_paths, record.leaf_returns, record.leaf_masses
     for a in range(len(paths)):
         for b in range(a + 1, len(paths)):
             pa, pb = paths[a], paths[b]
@@ -225,6 +226,7 @@ def _variogram(record: TreeRecord, horizon: int) -> dict[int, float]:
                 j += 1
             if j >= horizon:
                 continue
-            sums[j] = sums.get(j, 0.0) + 0.5 * (returns[a] - returns[b]) ** 2
-            counts[j] = counts.get(j, 0) + 1
-    return {j: sums[j] / counts[j] for j in sums}
+            w = masses[a] * masses[b]
+            sums[j] = sums.get(j, 0.0) + w * 0.5 * (returns[a] - returns[b]) ** 2
+            weights[j] = weights.get(j, 0.0) + w
+    return {j: sums[j] / weights[j] for j in sums if weights[j] > 0}

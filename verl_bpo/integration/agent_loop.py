@@ -18,7 +18,7 @@ one leaf per session, and the sessions left over return no output. The sandbox a
 
 The fork policy is per worker process: one :class:`~verl_bpo.core.fork_policy.ForkPolicy` per sandbox and tree
 setting, shared by every tree the worker grows, in every training step, so what it learns from finished trees
-(the ``quantile`` threshold) carries over.
+(the ``quantile`` threshold, the learned depth profile) carries over.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ and replaces only the serving and sharding machinery:
   (:func:`~verl_bpo.integration.actor_loss.actor_loss`: the batch's rows as ``global_batch_size``, the response
   length as ``loss_scale_factor``), with verl's default gradient clipping (1.0); ``grad_norm`` is the pre-clip
   norm, as verl's actor logs it;
-* stand-ins: the policy is served in-process by :class:`~verl_bpo.hf_rollout.BatchedHFClient` instead of vLLM, and
+* stand-ins: the policy is served in-process by :class:`~verl_bpo.local.hf_client.BatchedHFClient` instead of vLLM, and
   updated with one AdamW step per batch on one process instead of FSDP. That is what verl does with one PPO epoch
   and one mini-batch per step (the ratio is 1 on-policy, so clipping never binds).
 

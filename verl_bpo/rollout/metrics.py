@@ -35,7 +35,6 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
     metrics = {
         "bpo/leaves": float(len(leaves)),
         "bpo/leaf_utilization": len(leaves) / plan.n_leaves,
-        "bpo/unspent_leaf_budget": float(max(plan.leaves_left, 0)),
         "bpo/forks": float(state.forks),
         "bpo/success_rate": sum(leaf.mass * leaf.won for leaf in leaves),
         "bpo/leaf_return": sum(leaf.mass * leaf.reward for leaf in leaves),
@@ -48,6 +47,8 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
         "bpo/trainer_rows": float(len(leaves)),
         "bpo/mean_segment_turns": state.turns / segments,
         "bpo/leaf_depth": sum(leaf.meta.num_turns for leaf in leaves) / rows,
+        # Under a turn or token budget what is left is in turns or tokens: bpo/budget − bpo/budget_spent.
+        **({"bpo/unspent_leaf_budget": float(max(plan.leaves_left, 0))} if plan.unit == "leaves" else {}),
     }
     metrics.update(plan.metrics())
     if plan.scores:

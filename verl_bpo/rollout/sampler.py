@@ -109,6 +109,7 @@ class TreeSampler:
             root = await self._root_branch(*started)
             root.budget = plan.root_budget
             self.tree.branches = [root, *await self._fork(root, plan.root_width)]
+            plan.fork_made(plan.root_width, len(self.tree.branches))
             self._split_budget(self.tree.branches)
             if plan.waves:
                 await self._grow_in_waves()
@@ -170,8 +171,8 @@ class TreeSampler:
         for (branch, _), width in zip(candidates, plan.widths([v for _, v in candidates], scores)):
             if width >= 2:
                 children = await self._fork(branch, width)
+                plan.fork_made(width, 1 + len(children))
                 if children:
-                    plan.record_fork(1 + len(children))
                     self.tree.forks += 1
                     self.tree.branches.extend(children)
                     self._split_budget([branch, *children])
