@@ -263,7 +263,10 @@ class AllocationPlan(_BudgetedPlan):
     gradient variance Σ_j S_j w_j / n_j at expected cost Σ_j S_j n_j c_j = b (n_j samples per alive path at depth
     j); the second puts n_j ∝ √w_j with b leaves at the deepest level. Under the model, variance × cost =
     (Σ_j S_j √(w_j c_j))² ≤ (Σ_j S_j c_j)(Σ_j S_j w_j), RLOO's value (Cauchy-Schwarz), with equality only for the
-    flat tree: the allocation cannot lose to RLOO and becomes it when the root decides everything.
+    flat tree: where the model holds the allocation cannot lose to RLOO, and it becomes RLOO when the root decides
+    everything. The model assumes the nodes of a depth get equal widths (budget sharing and rounding make them
+    unequal, and unequal masses weigh some rows more) and that a turn's gradient size is independent of the return;
+    on a real policy the allocation can lose (README, "What the benchmarks show").
     """
 
     def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:

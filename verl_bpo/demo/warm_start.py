@@ -28,6 +28,8 @@ __all__ = ["random_policy_chats", "warm_start"]
 
 logger = logging.getLogger(__name__)
 _STAMP = "warm_start.json"
+# Bump when the chats or their tokenization change: a cached warm start made by older code is then redone.
+_WARM_START_VERSION = 2
 
 
 def random_policy_chats(sandbox: str, sandbox_config: Mapping[str, Any] | None, tasks: Sequence[Mapping[str, Any]],
@@ -94,7 +96,10 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: 
     """Fine-tune ``model_dir`` on random-policy chats into ``out_dir`` (skipped if already done identically);
     ``expert_prob`` mixes in the sandbox's ``best_action()`` (see :func:`random_policy_chats`)."""
     out = Path(out_dir)
-    settings = {"model_dir": str(model_dir), "sandbox": sandbox, "config": dict(sandbox_config or {}),
+    base_stamp = Path(model_dir) / "tiny_model.json"  # a rebuilt base model (new tokenizer) redoes the warm start
+    settings = {"version": _WARM_START_VERSION,
+                "base": json.loads(base_stamp.read_text()) if base_stamp.is_file() else None,
+                "model_dir": str(model_dir), "sandbox": sandbox, "config": dict(sandbox_config or {}),
                 "tasks": [dict(t) for t in tasks], "episodes": episodes, "max_turns": max_turns, "steps": steps,
                 "batch_size": batch_size, "lr": lr, "seed": seed, "expert_prob": expert_prob}
     stamp = out / _STAMP
