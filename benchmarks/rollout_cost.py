@@ -34,6 +34,7 @@ from verl_bpo.platforms import cpu_launch
 N_LEAVES, MAX_TURNS = 8, 8
 RATIOS = ("env_steps_per_leaf", "gen_tokens_per_leaf", "wall")
 BREAKDOWN = ("generate_s", "sandbox_s", "fork_s", "wait_s")
+BREAKDOWN_WIDTHS = dict(zip(BREAKDOWN, (8, 8, 6, 6)))  # printed columns
 
 
 def textworld_tasks(root: Path, count: int) -> tuple[list[dict], dict]:
@@ -87,7 +88,8 @@ def main() -> None:
 
     by_sandbox = {}
     print(f"{'sandbox':10s} {'mode':5s} {'rep':>3s} {'steps/leaf':>10s} {'tokens/leaf':>11s} {'rollout s':>9s} "
-          f"{'tree s':>7s} | per tree, branch-seconds: {'generate':>8s} {'sandbox':>8s} {'fork':>6s} {'wait':>6s}")
+          f"{'tree s':>7s} | per tree, branch-seconds: "
+          + " ".join(f"{k.removesuffix('_s'):>{w}s}" for k, w in BREAKDOWN_WIDTHS.items()))
     for sandbox, make_tasks in SANDBOXES.items():
         tasks, config = make_tasks(root, args.tasks)
         data = write_sandbox_dataset(root / sandbox / "train.parquet", sandbox_rows(sandbox, tasks, config))
@@ -97,10 +99,9 @@ def main() -> None:
                 m = run_once(model, data, sandbox, estimator, root / sandbox / f"{mode}{rep}", args.tasks,
                              args.selector)
                 runs[mode].append(m)
-                print(f"{sandbox:10s} {mode:5s} {rep:3d} {m['env_steps_per_leaf']:10.2f} {m['gen_tokens_per_leaf']:11.1f} "
-                      f"{m['wall']:9.1f} {m['tree_wall_s']:7.1f} |                           "
-                      + " ".join(f"{m[k]:8.1f}" if k in BREAKDOWN[:2] else f"{m[k]:6.1f}" for k in BREAKDOWN),
-                      flush=True)
+                print(f"{sandbox:10s} {mode:5s} {rep:3d} {m['env_steps_per_leaf']:10.2f} "
+                      f"{m['gen_tokens_per_leaf']:11.1f} {m['wall']:9.1f} {m['tree_wall_s']:7.1f} |"
+                      f"{'':27s}" + " ".join(f"{m[k]:{w}.1f}" for k, w in BREAKDOWN_WIDTHS.items()), flush=True)
         walls = [t["wall"] / f["wall"] for t, f in zip(runs["tree"], runs["flat"])]
         by_sandbox[sandbox] = {
             **{f"{k}_tree_over_flat": round(statistics.mean(r[k] for r in runs["tree"])

@@ -16,7 +16,7 @@ import pytest
 from tests.e2e.test_cpu_trainer import _cpu_vllm_missing
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.platforms import cpu_launch
-from verl_bpo.demo.tasks import TASKS as TASKS_BY_NAME, task_model
+from verl_bpo.demo import tasks as demo_tasks
 from verl_bpo.demo.tiny_model import build_tiny_model
 from verl_bpo.demo.warm_start import warm_start
 
@@ -72,7 +72,7 @@ def test_bpo_trains_on_trees_and_grpo_on_flat_groups_through_verl_bpo_main(setup
         assert max(metrics[s]["actor/grad_norm"] for s in (1, 2)) > 0, f"{name}: zero gradients"
 
 
-LATE = TASKS_BY_NAME["late"]
+LATE = demo_tasks.TASKS["late"]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def late_setup(tmp_path_factory):
     """The CPU demo's late-decision task and warm-started model (a routine walk, the door last, picked at random
     by the warm start): a turn budget buys many last-turn leaves."""
     root = tmp_path_factory.mktemp("bpo_e2e_late")
-    model = task_model(root, LATE)
+    model = demo_tasks.task_model(root, LATE)
     rows = sandbox_rows(LATE.sandbox, LATE.tasks(LATE.train_ids[:8]), LATE.sandbox_config)
     data = write_sandbox_dataset(root / "data" / "train.parquet", rows)
     return root, model, data

@@ -35,7 +35,7 @@ CHATML_TEMPLATE = (
 )
 # Bump when the architecture or the tokenizer recipe changes, so stale builds get rebuilt.
 _BUILDER_VERSION = 1
-_STAMP = "tiny_model.json"
+STAMP = "tiny_model.json"  # the settings a built model was made with (warm starts read it too)
 
 DEFAULT_ARCH = {
     "hidden_size": 128,
@@ -107,7 +107,7 @@ def build_tiny_model(
     corpus = list(corpus) if corpus is not None else default_corpus(seed=seed)
     arch = {**DEFAULT_ARCH, **(arch or {})}
     settings = _settings(corpus, seed, vocab_size, arch)
-    stamp = out / _STAMP
+    stamp = out / STAMP
     if stamp.is_file() and json.loads(stamp.read_text()) == settings:
         logger.info("tiny model already built in %s", out)
         return out

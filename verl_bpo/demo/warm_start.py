@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_adapters.registry import make_sandbox
+from verl_bpo.demo import tiny_model
 
 __all__ = ["random_policy_chats", "warm_start"]
 
@@ -96,7 +97,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: 
     """Fine-tune ``model_dir`` on random-policy chats into ``out_dir`` (skipped if already done identically);
     ``expert_prob`` mixes in the sandbox's ``best_action()`` (see :func:`random_policy_chats`)."""
     out = Path(out_dir)
-    base_stamp = Path(model_dir) / "tiny_model.json"  # a rebuilt base model (new tokenizer) redoes the warm start
+    base_stamp = Path(model_dir) / tiny_model.STAMP  # a rebuilt base model (new tokenizer) redoes the warm start
     settings = {"version": _WARM_START_VERSION,
                 "base": json.loads(base_stamp.read_text()) if base_stamp.is_file() else None,
                 "model_dir": str(model_dir), "sandbox": sandbox, "config": dict(sandbox_config or {}),
