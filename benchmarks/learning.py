@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=16)
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-episodes", type=int, default=2, help="episodes per held-out task per evaluation")
-    parser.add_argument("--grad-draws", type=int, default=64, help="batches per estimator for the gradient variance")
+    parser.add_argument("--grad-draws", type=int, default=128, help="batches per estimator for the gradient variance")
     parser.add_argument("--grad-warmup", type=int, default=4, help="BPO batches that teach its profile first")
     parser.add_argument("--max-leaves", type=int, default=32, help="bpo.max_leaves of the BPO trees")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))

@@ -264,9 +264,11 @@ class AllocationPlan(_BudgetedPlan):
     j); the second puts n_j ∝ √w_j with b leaves at the deepest level. Under the model, variance × cost =
     (Σ_j S_j √(w_j c_j))² ≤ (Σ_j S_j c_j)(Σ_j S_j w_j), RLOO's value (Cauchy-Schwarz), with equality only for the
     flat tree: where the model holds the allocation cannot lose to RLOO, and it becomes RLOO when the root decides
-    everything. The model measures a turn's gradient size by 1 − p(token), blind to the heavy tail of parameter
-    gradients of rare sampled tokens, and assumes it independent of the return; on a real policy the allocation can
-    lose (README, "What the benchmarks show").
+    everything. The model assumes ideal baselines (a fork of K children takes its baseline from K − 1 siblings,
+    which inflates the return noise it averages by K / (K − 1): 2 for a fork of 2, against RLOO's N / (N − 1)),
+    measures a turn's gradient size by 1 − p(token), blind to how large each token's parameter gradient is, and
+    assumes that size independent of the return; on a real policy the allocation can lose (README, "What the
+    benchmarks show").
     """
 
     def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:
