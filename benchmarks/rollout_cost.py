@@ -35,6 +35,7 @@ N_LEAVES, MAX_TURNS = 8, 8
 RATIOS = ("env_steps_per_leaf", "gen_tokens_per_leaf", "wall")
 BREAKDOWN = ("generate_s", "sandbox_s", "fork_s", "wait_s")
 BREAKDOWN_WIDTHS = dict(zip(BREAKDOWN, (8, 8, 6, 6)))  # printed columns
+BREAKDOWN_LABEL = " per tree, branch-seconds: "
 
 
 def textworld_tasks(root: Path, count: int) -> tuple[list[dict], dict]:
@@ -88,7 +89,7 @@ def main() -> None:
 
     by_sandbox = {}
     print(f"{'sandbox':10s} {'mode':5s} {'rep':>3s} {'steps/leaf':>10s} {'tokens/leaf':>11s} {'rollout s':>9s} "
-          f"{'tree s':>7s} | per tree, branch-seconds: "
+          f"{'tree s':>7s} |{BREAKDOWN_LABEL}"
           + " ".join(f"{k.removesuffix('_s'):>{w}s}" for k, w in BREAKDOWN_WIDTHS.items()))
     for sandbox, make_tasks in SANDBOXES.items():
         tasks, config = make_tasks(root, args.tasks)
@@ -101,7 +102,7 @@ def main() -> None:
                 runs[mode].append(m)
                 print(f"{sandbox:10s} {mode:5s} {rep:3d} {m['env_steps_per_leaf']:10.2f} "
                       f"{m['gen_tokens_per_leaf']:11.1f} {m['wall']:9.1f} {m['tree_wall_s']:7.1f} |"
-                      f"{'':27s}" + " ".join(f"{m[k]:{w}.1f}" for k, w in BREAKDOWN_WIDTHS.items()), flush=True)
+                      f"{'':{len(BREAKDOWN_LABEL)}s}" + " ".join(f"{m[k]:{w}.1f}" for k, w in BREAKDOWN_WIDTHS.items()), flush=True)
         walls = [t["wall"] / f["wall"] for t, f in zip(runs["tree"], runs["flat"])]
         by_sandbox[sandbox] = {
             **{f"{k}_tree_over_flat": round(statistics.mean(r[k] for r in runs["tree"])

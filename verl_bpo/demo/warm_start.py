@@ -36,7 +36,8 @@ __all__ = ["random_policy_chats", "warm_start"]
 
 logger = logging.getLogger(__name__)
 _STAMP = "warm_start.json"
-# Bump when the chats or their tokenization change: a cached warm start made by older code is then redone.
+# Bump when the chats, their tokenization or what is done to the model change: a cached warm start made by older
+# code is then redone.
 _WARM_START_VERSION = 3
 
 
