@@ -1,11 +1,11 @@
 """The paper's learning claims, measured: BPO vs GRPO vs RLOO trained at matched generated tokens per update.
 
 Two embedded tasks (``verl_bpo.demo.tasks``): ``late`` — the signpost corridor, where routine moves come first and
-the one decisive choice last — and ``early`` — the smoke corridor, where the first moves decide. For each task and
-seed, every estimator trains from the same warm start on the same task order with
-:class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator registry and policy loss with the
-arguments verl's actor passes; an in-process policy and optimizer instead of vLLM and FSDP, so that several seeds
-fit on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per
+the one decisive choice last — and ``early`` — the same corridor with the choice first, so the first move decides
+and the walk after it only reveals the outcome. For each task and seed, every estimator trains from the same warm
+start on the same task order with :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator
+registry and policy loss with the arguments verl's actor passes; an in-process policy and optimizer instead of vLLM
+and FSDP, so that several seeds fit on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per
 task with ``bpo.allocation=learned`` and ``bpo.budget=tokens`` (the tokens N flat rollouts of the task generate,
 learned from earlier trees), up to ``--max-leaves`` leaves. Every update has the same tasks, learning rate and
 one AdamW step. Generated tokens, environment steps and trainer rows per update are reported for each estimator.

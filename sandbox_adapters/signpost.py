@@ -1,11 +1,16 @@
-"""``SignpostSandbox``: a corridor whose outcome is decided at its end — routine moves first, one decisive choice last.
+"""``SignpostSandbox``: a corridor with one decisive choice of door — at its end (routine moves first), or at its
+start (routine moves after).
 
-The agent starts in room 1 of a corridor of ``Config.length`` rooms and walks east. The last room holds a red and
-a blue door and a sign naming the right one (``Config.right_door``: the task id decides, or one color for every
-task): opening it wins (reward 1.0), opening the other loses (reward 0); either ends the episode, as does running
-out of ``Config.max_steps`` turns. Walking is
-routine; reading the sign is the one decision that matters, and it comes last. This is the late-decision
-counterpart of the smoke corridor (:mod:`sandbox_adapters.smoke`), where the first moves decide.
+``Config.decide_at="end"`` (default): the agent starts in room 1 of a corridor of ``Config.length`` rooms and walks
+east. The last room holds a red and a blue door and a sign naming the right one (``Config.right_door``: the task id
+decides, or one color for every task): opening it wins (reward 1.0), opening the other loses (reward 0); either
+ends the episode, as does running out of ``Config.max_steps`` turns. Walking is routine; reading the sign is the one
+decision that matters, and it comes last.
+
+``decide_at="start"``: the doors and the sign are in room 1, and each door opens onto its own corridor. The agent
+opens one, then walks east; reaching the corridor's last room ends the episode, won behind the right door (reward
+1.0) and lost behind the other (a wall, reward 0). The same choice and the same walk, in the other order: the first
+move decides, and the outcome shows only at the end.
 
 Actions: ``east``, ``west``, ``open red door``, ``open blue door``, ``look`` (alone or as ``action: <action>``; a
 reply that starts with an action and runs on still acts). A step takes microseconds and a snapshot is three small
@@ -53,7 +58,9 @@ class SignpostSandbox(Sandbox):
             max_steps: turns after which the episode ends unwon (default 8); turns without a valid action count.
             invalid_penalty: reward subtracted for a turn without a valid action (default 0.0).
             right_door: ``task`` (default): the task id draws the right door, so the sign must be read; ``red`` or
-                ``blue``: that door for every task (the choice is still decided only at the end).
+                ``blue``: that door for every task.
+            decide_at: ``end`` (default): the doors are in the last room; ``start``: in the first, each opening onto
+                its own corridor (module docstring).
         """
 
         length: int = 4
@@ -61,12 +68,15 @@ class SignpostSandbox(Sandbox):
         max_steps: int = 8
         invalid_penalty: float = 0.0
         right_door: str = "task"
+        decide_at: str = "end"
 
         def __post_init__(self) -> None:
             if self.length < 2:
                 raise ValueError(f"signpost: length must be >= 2, got {self.length}")
             if self.right_door not in ("task", *COLORS):
                 raise ValueError(f"signpost: right_door must be 'task', 'red' or 'blue', got {self.right_door!r}")
+            if self.decide_at not in ("end", "start"):
+                raise ValueError(f"signpost: decide_at must be 'end' or 'start', got {self.decide_at!r}")
             if self.num_tasks < 1 or self.max_steps < self.length:
                 raise ValueError("signpost: num_tasks must be >= 1 and max_steps >= length (the walk must fit)")
 
@@ -79,6 +89,7 @@ class SignpostSandbox(Sandbox):
         self.config = config or SignpostSandbox.Config()
         self._right = COLORS[0]
         self._room, self._steps = 0, 0
+        self._opened: str | None = None  # the door taken (``decide_at="start"``)
 
     def right_door(self, task: Mapping[str, Any]) -> str:
         task_id = int(task["task_id"])
@@ -88,20 +99,30 @@ class SignpostSandbox(Sandbox):
             return self.config.right_door
         return random.Random(7919 * task_id + self.config.length).choice(COLORS)
 
+    def _at_doors(self) -> bool:
+        if self.config.decide_at == "start":
+            return self._opened is None
+        return self._room == self.config.length - 1
+
     def best_action(self) -> str:
         """What an agent that reads the sign does."""
-        return "east" if self._room < self.config.length - 1 else f"open {self._right} door"
+        return f"open {self._right} door" if self._at_doors() else "east"
 
     def demonstration(self, rng: random.Random) -> str:
         """What the warm start imitates: a walker that never reads the sign (it picks a door at random)."""
-        return "east" if self._room < self.config.length - 1 else f"open {rng.choice(COLORS)} door"
+        return f"open {rng.choice(COLORS)} door" if self._at_doors() else "east"
 
     # --- engine hooks ---------------------------------------------------------------------------------------
     def _reset(self, task: Mapping[str, Any]) -> Observation:
         self._right = self.right_door(task)
-        self._room, self._steps = 0, 0
-        intro = (f"You are in a corridor of {self.config.length} rooms. At its east end are a red door and a blue "
-                 "door; a sign there tells which one leads out. Open the right door.")
+        self._room, self._steps, self._opened = 0, 0, None
+        if self.config.decide_at == "start":
+            intro = (f"You stand before a red door and a blue door, each opening onto a corridor of "
+                     f"{self.config.length} rooms; a sign tells which one leads out. Open the right door, then walk "
+                     "east to the end of its corridor.")
+        else:
+            intro = (f"You are in a corridor of {self.config.length} rooms. At its east end are a red door and a "
+                     "blue door; a sign there tells which one leads out. Open the right door.")
         return Observation(f"{intro}\n{self._describe()}", self._info())
 
     def parse_action(self, text: str) -> str | None:
@@ -124,16 +145,21 @@ class SignpostSandbox(Sandbox):
     def _transition(self, action: str) -> StepResult:
         self._steps += 1
         last = self.config.length - 1
+        start = self.config.decide_at == "start"
         if action.startswith("open "):
-            if self._room != last:
+            if not self._at_doors():
                 return self._continue("There is no door here.")
-            won = action == f"open {self._right} door"
-            text = "The door opens onto daylight. You won!" if won else "The door opens onto a wall. You lost."
-            info = {**self._info(), "won": won}
-            return StepResult(Observation(text, info), 1.0 if won else 0.0, True, info)
+            if start:
+                self._opened = action.split()[1]
+                return self._continue(f"You open the {self._opened} door and step into its corridor.")
+            return self._end(action == f"open {self._right} door")
+        if start and self._opened is None:
+            return self._continue("The doors are closed; open one.")
         if action == "east":
             moved = self._room < last
             self._room += moved
+            if start and self._room == last:
+                return self._end(self._opened == self._right)
             return self._continue("You walk east." if moved else "A wall blocks the way.")
         if action == "west":
             moved = self._room > 0
@@ -141,13 +167,23 @@ class SignpostSandbox(Sandbox):
             return self._continue("You walk west." if moved else "A wall blocks the way.")
         return self._continue("You look around.")
 
+    def _end(self, won: bool) -> StepResult:
+        if self.config.decide_at == "start":
+            text = "The corridor opens onto daylight. You won!" if won else "The corridor ends at a wall. You lost."
+        else:
+            text = "The door opens onto daylight. You won!" if won else "The door opens onto a wall. You lost."
+        info = {**self._info(), "won": won}
+        return StepResult(Observation(text, info), 1.0 if won else 0.0, True, info)
+
     def _continue(self, message: str) -> StepResult:
         info = {**self._info(), "won": False}
         result = StepResult(Observation(f"{message}\n{self._describe()}", info), 0.0, False, info)
         return self._end_at_step_limit(result, self._steps, self.config.max_steps)
 
     def _describe(self) -> str:
-        if self._room == self.config.length - 1:
+        if self.config.decide_at == "start" and self._opened is None:
+            return f"Room 1. A red door and a blue door. The sign says: {self._right}."
+        if self.config.decide_at == "end" and self._room == self.config.length - 1:
             return f"Room {self._room + 1}, the last. The sign says: {self._right}. Exits: west."
         exits = "east, west" if self._room > 0 else "east"
         return f"Room {self._room + 1}. The corridor goes on. Exits: {exits}."
@@ -157,13 +193,13 @@ class SignpostSandbox(Sandbox):
 
     # --- native snapshot ------------------------------------------------------------------------------------
     def _snapshot_payload(self) -> Any:
-        return self._right, self._room, self._steps
+        return self._right, self._room, self._steps, self._opened
 
     def _restore_payload(self, snapshot: Snapshot) -> None:
         payload = snapshot.payload
-        if not (isinstance(payload, tuple) and len(payload) == 3 and payload[0] in COLORS):
+        if not (isinstance(payload, tuple) and len(payload) == 4 and payload[0] in COLORS):
             raise RestoreFailed(f"signpost: snapshot payload is not a signpost state: {type(payload).__name__}")
-        self._right, self._room, self._steps = payload
+        self._right, self._room, self._steps, self._opened = payload
 
     # --- chat rendering -------------------------------------------------------------------------------------
     def system_prompt(self) -> str:

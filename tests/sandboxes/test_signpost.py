@@ -1,4 +1,4 @@
-"""Conformance and rule tests of the signpost corridor (the late-decision task)."""
+"""Conformance and rule tests of the signpost corridor (the late-decision task, and its early-decision variant)."""
 
 from __future__ import annotations
 
@@ -74,4 +74,46 @@ def test_the_demonstrator_walks_and_picks_doors_at_random():
         box.step("east")
         box.step("east")
         choices.add(box.demonstration(rng))
+    assert choices == {"open red door", "open blue door"}
+
+
+class TestSignpostStartConformance(TestSignpostConformance):
+    """The early-decision variant: the doors first, the walk after."""
+
+    def make_sandbox(self) -> SignpostSandbox:
+        return SignpostSandbox(SignpostSandbox.Config(decide_at="start"))
+
+    def prefix_actions(self):
+        return ["open red door"]
+
+    def probe_actions(self):
+        return ["east", "action: east", "look", "west"]
+
+
+def test_at_the_start_the_first_choice_decides_and_the_walk_reveals_it():
+    box = SignpostSandbox(SignpostSandbox.Config(length=4, decide_at="start"))
+    for task_id in range(8):
+        obs = box.reset({"task_id": task_id})
+        right = box.right_door({"task_id": task_id})
+        assert f"The sign says: {right}." in obs.text
+        assert box.step("east").observation.text.startswith("The doors are closed")  # a wasted turn
+        snap = box.snapshot()
+        for door, won in ((right, True), (next(c for c in COLORS if c != right), False)):
+            box.restore(snap)
+            assert not box.step(f"open {door} door").done
+            assert not box.step("open red door").done  # no more doors behind it
+            steps = [box.step("east") for _ in range(3)]
+            assert [s.done for s in steps] == [False, False, True]  # the end of the corridor ends the episode
+            assert (steps[-1].reward, steps[-1].info["won"]) == (float(won), won)
+
+
+def test_at_the_start_the_demonstrator_picks_a_door_then_walks():
+    box = SignpostSandbox(SignpostSandbox.Config(length=3, decide_at="start"))
+    rng = random.Random(0)
+    choices = set()
+    for _ in range(20):
+        box.reset({"task_id": 1})
+        choices.add(box.demonstration(rng))
+        box.step("open blue door")
+        assert box.demonstration(rng) == "east" and box.best_action() == "east"
     assert choices == {"open red door", "open blue door"}

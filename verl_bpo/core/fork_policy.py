@@ -20,8 +20,8 @@ Objects, from the longest-lived down:
     budget and ``max_forks_per_wave``; ``quantile`` forks a candidate whose score reaches τ, the (1 − ρ) quantile of
     the previous finished tree's candidate scores (ρ = forks the budget allows / candidates seen; τ = −∞ at first).
   - :class:`AllocationPlan` (``learned``): every node holds a budget (turns, tokens, or leaves) and takes the width
-    the learned profile gives it (budgeted Neyman allocation: children ∝ √(variance injected at that depth / cost));
-    a task decided by its first move gives the root nearly the whole budget (K0 close to N: about RLOO, which
+    of the shape that, under the learned profile, gives the least leave-one-out gradient variance within the
+    budget (:mod:`verl_bpo.core.shape`); a task decided by its first move gets the flat shape K0 = N (RLOO, which
     under the model it cannot do worse than).
   - :class:`ExplorePlan` (``learned``, warm-up and ``explore_share``): K0 = N/2 root paths, each forking once into 2
     at a depth drawn uniformly, independent of any score; its leaf pairs teach the profile where outcomes split.
@@ -43,6 +43,7 @@ import numpy as np
 
 from verl_bpo.core.config import BPOConfig
 from verl_bpo.core.profile import DepthProfile, TreeRecord
+from verl_bpo.core.shape import MAX_SEARCH_FORKS, best_shape, candidate_widths
 
 __all__ = ["NodeView", "is_eligible", "ForkBudget", "FixedPlan", "AllocationPlan", "ExplorePlan", "ForkPolicy"]
 
@@ -250,33 +251,35 @@ class _BudgetedPlan(_Plan):
 
 
 class AllocationPlan(_BudgetedPlan):
-    """Budgeted Neyman allocation on the learned profile (``bpo.allocation=learned``).
+    """The learned allocation (``bpo.allocation=learned``): the shape of least leave-one-out gradient variance
+    within the budget, under the profile's model (:mod:`verl_bpo.core.shape`), applied node by node.
 
-    A node at depth d holding budget b gets K = stochastic_round(x) children, clamped to [1, b / C_d] (C_d: the
-    expected cost of a path from d to its end; the root at least 2), with
+    At the tree's start the search picks per-depth widths K_d among the candidate shapes whose cost fits the root
+    budget B (the flat shape K_0 = N, RLOO, is one: the tree becomes it when the first turn decides everything or
+    nothing is known). A node at depth d holding budget b then gets K = stochastic_round(K_d · b / P_d) children,
+    clamped to [1, b / C_d] (the root at least 2): P_d is what the shape plans to spend below such a node and C_d
+    the expected cost of one path from d to its end, so a subtree that was handed more than planned (by paths
+    that ended early) widens, one handed less narrows, and the budget is kept.
 
-        turns, tokens:  x = b · √(w_d / c_d) / Σ_{j≥d} s_j √(w_j c_j)
-        leaves:         x = b · √(w_d / max_{j≥d} w_j)
-
-    where w is the non-decreasing weight per alive path of :class:`~verl_bpo.core.profile.DepthProfile`, c_j the
-    cost of a depth-j turn and s_j = S_j / S_d the chance a path alive at d reaches j. The first minimises the
-    gradient variance Σ_j S_j w_j / n_j at expected cost Σ_j S_j n_j c_j = b (n_j samples per alive path at depth
-    j); the second puts n_j ∝ √w_j with b leaves at the deepest level. Under the model, variance × cost =
-    (Σ_j S_j √(w_j c_j))² ≤ (Σ_j S_j c_j)(Σ_j S_j w_j), RLOO's value (Cauchy-Schwarz), with equality only for the
-    flat tree: where the model holds the allocation cannot lose to RLOO, and it becomes RLOO when the root decides
-    everything. The model assumes ideal baselines (a fork of K children takes its baseline from K − 1 siblings,
-    which inflates the return noise it averages by K / (K − 1): 2 for a fork of 2, against RLOO's N / (N − 1)),
-    measures a turn's gradient size by 1 − p(token), blind to how large each token's parameter gradient is, and
-    assumes that size independent of the return; on a real policy the allocation can lose (README, "What the
-    benchmarks show").
+    The model measures a turn's gradient size by 1 − p(token), blind to how large each token's parameter gradient
+    is, and assumes that size independent of the return; on a real policy the allocation can lose (README, "What
+    the benchmarks show"). ``bpo/predicted_variance_ratio`` logs what the model expects against RLOO.
     """
 
     def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:
         super().__init__(config, n_leaves, profile, rng)
-        self.weight = profile.weights()
-        self.survival = profile.survival
-        self.cost = profile.turn_cost(self.unit)
-        self.cost_left = np.array([profile.cost_left(d, self.unit) for d in range(config.max_turns)])
+        T = config.max_turns
+        survival = profile.survival
+        per_sample = profile.per_sample_cost(self.unit)
+        candidates = candidate_widths(T, self.cap, max(config.min_depth, 1), config.cooldown,
+                                      min(config.max_forks_per_path or MAX_SEARCH_FORKS, MAX_SEARCH_FORKS))
+        self.shape = best_shape(candidates, profile.credited_variance(), profile.gradient_mass(), per_sample,
+                                self.root_budget, n_leaves)
+        samples = np.cumprod(self.shape.widths.astype(float))
+        before = np.concatenate([[1.0], samples[:-1]])  # n_{d−1}
+        below = np.cumsum((per_sample * samples)[::-1])[::-1]  # Σ_{j≥d} q_j n_j
+        self.planned = np.where(survival > 0, below / np.maximum(survival * before, 1e-12), 0.0)  # P_d
+        self.cost_left = np.array([profile.cost_left(d, self.unit) for d in range(T)])
         self.root_width = min(self.cap, max(2, self._width(0, self.root_budget)))
         self.branches = self.root_width
 
@@ -288,22 +291,16 @@ class AllocationPlan(_BudgetedPlan):
         return widths
 
     def _width(self, depth: int, budget: float | None) -> int:
-        if budget is None or depth >= len(self.weight):
+        if budget is None or depth >= len(self.planned):
             return 1
-        weight = self.weight[depth:]
-        if weight.sum() <= 0:
-            # Nothing below injects variance (or nothing is known yet): independent paths, all the budget affords.
-            x = budget / self.cost_left[depth] if self.unit != "leaves" else budget
-            return max(1, min(self.cap, int(x)))
-        if self.unit == "leaves":
-            x = budget * math.sqrt(weight[0] / weight.max())
-            high = budget
-        else:
-            cost = self.cost[depth:]
-            reach = self.survival[depth:] / max(self.survival[depth], 1e-12)
-            x = budget * math.sqrt(weight[0] / cost[0]) / float((reach * np.sqrt(weight * cost)).sum())
-            high = budget / self.cost_left[depth]
+        planned = self.planned[depth]
+        x = self.shape.widths[depth] * budget / planned if planned > 0 else 1.0
+        high = budget if self.unit == "leaves" else budget / self.cost_left[depth]
         return max(1, self.stochastic_round(min(max(x, 1.0), max(high, 1.0))))
+
+    def metrics(self) -> dict[str, float]:
+        ratio = self.shape.variance / self.shape.flat_variance if self.shape.flat_variance > 0 else 1.0
+        return {**super().metrics(), "bpo/predicted_variance_ratio": ratio}
 
 
 class ExplorePlan(_BudgetedPlan):

@@ -1,5 +1,5 @@
-"""Where a task's outcome is decided: a per-depth profile learned from finished trees, and the allocation weights it
-gives (budgeted Neyman allocation, Neyman 1934).
+"""Where a task's outcome is decided: a per-depth profile learned from finished trees, the inputs of the
+allocation model (:mod:`verl_bpo.core.shape`).
 
 A tree spends its budget well when its forks sit where return variance is *injected*: a fork only averages the
 variance injected below it. What a rollout has (leaf returns, tree structure, turn depths, sampled-token
@@ -11,20 +11,13 @@ log-probs) gives, per depth j < T:
     γ_j   the return variogram: ½(G_ℓ − G_ℓ')² over leaf pairs whose paths split at depth j, measured on trees whose
           forks were decided without reading any node's content (the learned plans decide by depth and budget
           only), so the pairs at a split are fresh samples of the state there and the profile never biases itself;
-    D^R_j = S_j γ_j − S_{j+1} γ_{j+1}: the return variance injected by the turn at depth j (γ_T = 0), each
+    D_j = S_j γ_j − S_{j+1} γ_{j+1}: the return variance injected by the turn at depth j (γ_T = 0), each
           estimate shrunk by one standard error across trees.
 
-The allocation weight of depth j is the variance of the gradient that noise injected there causes,
-
-    F_j = U_j D^R_j + ē_j Σ_{i<j} D^R_i,     U_j = Σ_{i≤j} ē_i,
-
-with a share σ_j = κ · min(e_j, 1 − e_j) · D^R_j moved one depth up (D_j = F_j − σ_j + σ_{j+1}; κ =
-``bpo.profile_prior``). Returns alone cannot tell where the decisive action's expected gradient changes (a task
-and its twin whose success ignores the last action give the same returns and log-probs), so κ is a stated prior,
-not a hidden constant. Finally the weight per path alive at depth j, w_j = D_j / S_j, is made non-decreasing in j
-(pool-adjacent-violators, weighted by S_j: along a path that goes on, a tree cannot have fewer samples deeper than
-shallower; paths that end are what makes the unconditional counts fall), and the profile is forgotten
-exponentially (``bpo.profile_window`` trees) so it follows training. Pure numpy.
+A share σ_j = κ · min(e_j, 1 − e_j) · D_j is credited one depth earlier (κ = ``bpo.profile_prior``): returns
+alone cannot tell where the decisive action's expected gradient changes (a task and its twin whose success
+ignores the last action give the same returns and log-probs), so κ is a stated prior, not a hidden constant. The
+profile is forgotten exponentially (``bpo.profile_window`` trees) so it follows training. Pure numpy.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["TreeRecord", "DepthProfile", "pool_adjacent_violators", "allocation_weights"]
+__all__ = ["TreeRecord", "DepthProfile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,36 +51,6 @@ class TreeRecord:
     turn_uncertainty: dict[int, float]
     turn_tokens: dict[int, float]
     score_free: bool = False
-
-
-def pool_adjacent_violators(values: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
-    """The non-decreasing sequence closest to ``values`` in weighted least squares (isotonic regression)."""
-    values = np.asarray(values, dtype=float)
-    weights = np.ones_like(values) if weights is None else np.asarray(weights, dtype=float)
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for v, w in zip(values, weights):
-        blocks.append([v, max(w, 1e-12), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, n2 = blocks.pop()
-            m1, w1, n1 = blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-    return np.concatenate([[m] * int(n) for m, _, n in blocks]) if blocks else values
-
-
-def allocation_weights(injected: np.ndarray, survival: np.ndarray, uncertainty: np.ndarray,
-                       prior: float) -> np.ndarray:
-    """w_j, the non-decreasing weight per alive path, from the injected return variance D^R, survival S and turn
-    uncertainty e (module docstring); 0 at depths no path reaches."""
-    mass = survival * uncertainty  # ē_j
-    cumulative = np.cumsum(mass)  # U_j
-    before = np.concatenate([[0.0], np.cumsum(injected)[:-1]])  # Σ_{i<j} D^R_i
-    weights = cumulative * injected + mass * before
-    moved = prior * np.minimum(uncertainty, 1.0 - uncertainty) * injected
-    weights = np.maximum(weights - moved + np.concatenate([moved[1:], [0.0]]), 0.0)
-    reached = survival > 0
-    per_path = np.zeros_like(weights)
-    per_path[reached] = pool_adjacent_violators(weights[reached] / survival[reached], survival[reached])
-    return per_path
 
 
 class DepthProfile:
@@ -175,23 +138,34 @@ class DepthProfile:
         raw = scaled[:-1] - scaled[1:]
         return np.maximum(raw - np.sqrt(scaled_se[:-1] ** 2 + scaled_se[1:] ** 2), 0.0)
 
-    def weights(self) -> np.ndarray:
-        """w_j, non-decreasing per alive path, from which the allocation takes its widths (all zero before any
-        data)."""
-        return allocation_weights(self.injected_variance(), self.survival, self.uncertainty, self.prior)
+    def gradient_mass(self) -> np.ndarray:
+        """ē_j = S_j e_j, the gradient mass of the depth-j turn per episode."""
+        return self.survival * self.uncertainty
+
+    def credited_variance(self) -> np.ndarray:
+        """D_j with the prior's share σ_j moved to depth j − 1 (module docstring): what the allocation averages."""
+        injected, e = self.injected_variance(), self.uncertainty
+        moved = self.prior * np.minimum(e, 1.0 - e) * injected
+        return injected - moved + np.concatenate([moved[1:], [0.0]])
+
+    def per_sample_cost(self, unit: str) -> np.ndarray:
+        """q_j, what one sample of the depth-j turn costs per episode: S_j c_j in ``turns`` and ``tokens``; in
+        ``leaves`` S_j − S_{j+1}, the paths that end after it (a leaf each)."""
+        s = self.survival
+        if unit == "leaves":
+            return s - np.concatenate([s[1:], [0.0]])
+        return s * self.turn_cost(unit)
 
     def metrics(self) -> dict[str, float]:
-        """``bpo/profile/...``: per depth the injected return variance, the allocation weight (normalised to sum 1)
-        and the survival, for the depths where trees were seen."""
+        """``bpo/profile/...``: per depth the injected return variance, the gradient mass and the survival, for the
+        depths where trees were seen."""
         out = {"bpo/profile/trees": float(self.trees), "bpo/profile/variogram_trees": float(self.variogram_trees)}
-        injected, survival = self.injected_variance(), self.survival
-        weights = self.weights() * survival
-        total = weights.sum()
+        injected, mass, survival = self.injected_variance(), self.gradient_mass(), self.survival
         for j in range(self.horizon):
             if survival[j] <= 0:
                 break
             out[f"bpo/profile/injected_variance/d{j}"] = float(injected[j])
-            out[f"bpo/profile/weight/d{j}"] = float(weights[j] / total) if total > 0 else 0.0
+            out[f"bpo/profile/gradient_mass/d{j}"] = float(mass[j])
             out[f"bpo/profile/survival/d{j}"] = float(survival[j])
         return out
 

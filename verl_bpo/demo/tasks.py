@@ -5,9 +5,9 @@
             turn. The warm start walks well and picks doors at random, so a fresh policy succeeds a third to half
             of the time and RL has to learn the choice. (With the right door drawn per task the tiny model learns
             a color preference, not to read the sign, within the updates a 2-core box affords.)
-``early`` — the smoke corridor (:mod:`sandbox_adapters.smoke`) of two rooms: the first moves (which way to the
-            key) decide; the warm start imitates a noisy expert (70% of turns; the expert knows where the key is,
-            which the agent learns only by walking), and a fresh policy wins about a tenth of the time.
+``early`` — the same corridor with the choice first (``decide_at="start"``): open the right door, then walk its
+            corridor of six rooms; the first turn decides and the walk only reveals it. Same warm start, learning
+            rate and target, so the two tasks differ only in where the decision sits.
 
 Each task has training task ids and disjoint held-out evaluation ids. The tiny model's tokenizer is trained on
 both tasks' chats as well, so each action word is one token: a policy-gradient step then moves whole actions.
@@ -61,10 +61,10 @@ TASKS = {
         train_ids=range(0, 192), eval_ids=range(192, 256), max_turns=8,
         warm_start={"episodes": 96, "max_turns": 8, "steps": 200, "expert_prob": 0.97}, target=0.75, lr=5e-4),
     "early": DemoTask(
-        "early", "smoke", {"length": 2, "max_steps": 6, "key_reward": 0.5, "invalid_penalty": 0.1,
-                           "num_tasks": 256},
-        train_ids=range(0, 192), eval_ids=range(192, 256), max_turns=6,
-        warm_start={"episodes": 256, "max_turns": 6, "steps": 600, "expert_prob": 0.7}, target=0.5, lr=1e-3),
+        "early", "signpost", {"length": 6, "max_steps": 8, "num_tasks": 256, "invalid_penalty": 0.1,
+                              "right_door": "red", "decide_at": "start"},
+        train_ids=range(0, 192), eval_ids=range(192, 256), max_turns=8,
+        warm_start={"episodes": 96, "max_turns": 8, "steps": 200, "expert_prob": 0.97}, target=0.75, lr=5e-4),
 }
 
 
