@@ -5,9 +5,9 @@ the one decisive choice last — and ``early`` — the same corridor with the ch
 and the walk after it only reveals the outcome. For each task and seed, every estimator trains from the same warm
 start on the same task order with :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator
 registry and policy loss with the arguments verl's actor passes; an in-process policy and optimizer instead of vLLM
-and FSDP, so that several seeds fit on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per
-task with ``bpo.allocation=learned`` and ``bpo.budget=tokens`` (the tokens N flat rollouts of the task generate,
-learned from earlier trees), up to ``--max-leaves`` leaves. Every update has the same tasks, learning rate and
+and FSDP, so that several seeds fit on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts
+per task; BPO grows one tree per task with ``bpo.allocation=learned`` and ``bpo.budget=tokens`` (the tokens N flat
+rollouts of the task generate, learned from earlier trees), up to ``--max-leaves`` leaves. Every update has the same tasks, learning rate and
 one AdamW step. Generated tokens, environment steps and trainer rows per update are reported for each estimator.
 
 Measured, per task, seed and estimator:

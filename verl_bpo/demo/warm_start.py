@@ -10,8 +10,8 @@ like an SFT stage on noisy demonstrations: the model starts weak but not hopeles
 comes from RL.
 
 Input-embedding rows of tokens the chats never contain keep their random initialisation, and such a token as input
-gives the next token's log-prob a gradient over 100 times a trained token's in norm (measured on the early-decision
-task: 1334 into the unseen row, against about 10): the policy samples one now and then (its byte tokens have
+gives the next token's log-prob a gradient over 100 times a trained token's in norm (measured on the smoke
+corridor: 1334 into the unseen row, against about 10): the policy samples one now and then (its byte tokens have
 p ~ 1e-6, a batch samples thousands of tokens), and those draws dominated every gradient-variance measurement. As
 transformers does for tokens it adds (``resize_token_embeddings(mean_resizing=True)``), the warm start gives those
 rows the mean of the rows the chats trained.
