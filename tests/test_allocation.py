@@ -82,6 +82,9 @@ def test_a_last_move_decision_keeps_a_narrow_root_and_forks_the_last_turn():
     for result in results[200:]:
         assert min(leaf.meta.num_turns for leaf in result.leaves) == T  # every path runs to the end
         assert shape(result)["leaves"] > 4 * N  # the budget of N·T turns buys many last-turn samples
+    predicted = [r.metrics["bpo/predicted_variance_ratio"] for r in results[200:]]
+    assert max(predicted) < 0.6  # the model expects the shape to beat RLOO within the same budget, and logs it
+    assert policy.metrics()["bpo/profile/gradient_mass/d7"] > 0
     steps = [r.metrics["bpo/env_steps"] for r in results[200:]]
     assert 0.9 * N * T < np.mean(steps) < 1.02 * N * T  # ... and spends the turn budget, no more
 

@@ -94,3 +94,9 @@ def test_the_search_keeps_limits_and_budget_and_never_loses_to_flat():
     # baseline from their own state, which removes that noise from their advantages.
     later = best_shape(candidates, first, np.ones(6), per_sample, 48.0, 8)
     assert later.widths[0] < 8 and later.variance < 0.9 * later.flat_variance
+
+
+def test_a_long_horizon_keeps_the_search_small():
+    candidates = candidate_widths(50, 64, 1, 0, 3)
+    fork_depths = np.flatnonzero((candidates[:, 1:] > 1).any(axis=0)) + 1
+    assert len(candidates) < 70_000 and len(fork_depths) <= 11 and fork_depths.max() == 49
