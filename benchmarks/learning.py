@@ -49,28 +49,32 @@ ESTIMATORS = ("bpo", "grpo", "rloo")
 N_LEAVES, BATCH, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 4, 384, 6
 
 
-def bpo_block(task: DemoTask, estimator: str, max_leaves: int) -> dict:
+def bpo_block(task: DemoTask, estimator: str, tree: dict) -> dict:
+    """The ``bpo:`` block; ``tree`` holds the BPO tree's own settings from the command line."""
     block = {"max_turns": task.max_turns, "max_tokens_per_turn": MAX_TOKENS_PER_TURN}
     if estimator == "bpo":
-        block.update(allocation="learned", budget="tokens", max_leaves=max_leaves, warmup_trees=8,
-                     explore_share=0.1)
+        block.update(allocation="learned", budget="tokens", explore_share=0.1, **tree)
     return block
 
 
-def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, max_leaves: int) -> LocalRL:
+def tree_settings(args: argparse.Namespace) -> dict:
+    return {"max_leaves": args.max_leaves, "warmup_trees": args.bpo_warmup_trees}
+
+
+def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict) -> LocalRL:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LocalRLConfig(estimator=estimator, n_leaves=N_LEAVES, batch_size=BATCH, lr=task.lr,
-                           response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, max_leaves))
+                           response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, tree))
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
 
 
 def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace) -> dict:
-    rl = trainer(model_dir, task, estimator, seed, args.max_leaves)
+    rl = trainer(model_dir, task, estimator, seed, tree_settings(args))
     order = random.Random(seed).sample(task.tasks(task.train_ids), len(task.train_ids))  # the same for every estimator
     evals = task.tasks(task.eval_ids)
     curve, steps = [(0, rl.evaluate(evals, args.eval_episodes))], []
@@ -83,9 +87,9 @@ def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: 
 
 
 def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, warmup: int,
-                   max_leaves: int) -> tuple[np.ndarray, float]:
+                   tree: dict) -> tuple[np.ndarray, float]:
     """The Gram matrix of ``draws`` batch gradients at the warm-start policy, and the mean tokens per batch."""
-    rl = trainer(model_dir, task, estimator, 0, max_leaves)
+    rl = trainer(model_dir, task, estimator, 0, tree)
     tasks = task.tasks(task.train_ids)[:BATCH]
     rows, tokens = [], []
     for d in range(warmup + draws):
@@ -183,6 +187,8 @@ def main() -> None:
     parser.add_argument("--grad-draws", type=int, default=128, help="batches per estimator for the gradient variance")
     parser.add_argument("--grad-warmup", type=int, default=4, help="BPO batches that teach its profile first")
     parser.add_argument("--max-leaves", type=int, default=32, help="bpo.max_leaves of the BPO trees")
+    parser.add_argument("--bpo-warmup-trees", type=int, default=8,
+                        help="bpo.warmup_trees: BPO's first trees of exploration shape (a root of N/2)")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
@@ -194,7 +200,7 @@ def main() -> None:
         task = TASKS[name]
         model_dir = task_model(out, task)
         grads = {e: gradient_draws(model_dir, task, e, args.grad_draws, args.grad_warmup if e == "bpo" else 0,
-                                   args.max_leaves) for e in ("bpo", "rloo")}
+                                   tree_settings(args)) for e in ("bpo", "rloo")}
         print(f"{name}: tr Cov x tokens at the warm start: "
               + ", ".join(f"{e} {trace_cov(g) * t:.4g} ({t:.0f} tokens)" for e, (g, t) in grads.items()), flush=True)
         runs: dict[str, list] = {e: [] for e in ESTIMATORS}
@@ -211,7 +217,7 @@ def main() -> None:
         (out / f"runs_{name}.json").write_text(json.dumps(runs))
     result.update({"seeds": args.seeds, "updates": args.updates, "lr": {t: TASKS[t].lr for t in args.tasks},
                    "n_leaves": N_LEAVES, "batch": BATCH,
-                   "max_leaves": args.max_leaves, "wall_s": round(time.monotonic() - start)})
+                   "max_leaves": args.max_leaves, "bpo_warmup_trees": args.bpo_warmup_trees, "wall_s": round(time.monotonic() - start)})
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out}/learning_*.png and learning.json")
     print(json.dumps(result))
