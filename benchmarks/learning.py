@@ -7,8 +7,8 @@ start on the same task order with :class:`verl_bpo.local.trainer.LocalRL` (the r
 registry and policy loss with the arguments verl's actor passes; an in-process policy and optimizer instead of vLLM
 and FSDP, so that several seeds fit on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts
 per task; BPO grows one tree per task with ``bpo.allocation=learned`` and ``bpo.budget=tokens`` (the tokens N flat
-rollouts of the task generate, learned from earlier trees), up to ``--max-leaves`` leaves. Every update has the same tasks, learning rate and
-one AdamW step. Generated tokens, environment steps and trainer rows per update are reported for each estimator.
+rollouts of the task generate, learned from earlier trees), up to ``--max-leaves`` leaves. Every update has the
+same tasks, learning rate and one AdamW step. Generated tokens, environment steps and trainer rows per update are reported for each estimator.
 
 Measured, per task, seed and estimator:
 
@@ -216,8 +216,8 @@ def main() -> None:
         plot(task, runs, out / f"learning_{name}.png")
         (out / f"runs_{name}.json").write_text(json.dumps(runs))
     result.update({"seeds": args.seeds, "updates": args.updates, "lr": {t: TASKS[t].lr for t in args.tasks},
-                   "n_leaves": N_LEAVES, "batch": BATCH,
-                   "max_leaves": args.max_leaves, "bpo_warmup_trees": args.bpo_warmup_trees, "wall_s": round(time.monotonic() - start)})
+                   "n_leaves": N_LEAVES, "batch": BATCH, "max_leaves": args.max_leaves,
+                   "bpo_warmup_trees": args.bpo_warmup_trees, "wall_s": round(time.monotonic() - start)})
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out}/learning_*.png and learning.json")
     print(json.dumps(result))

@@ -102,7 +102,8 @@ def main() -> None:
                 runs[mode].append(m)
                 print(f"{sandbox:10s} {mode:5s} {rep:3d} {m['env_steps_per_leaf']:10.2f} "
                       f"{m['gen_tokens_per_leaf']:11.1f} {m['wall']:9.1f} {m['tree_wall_s']:7.1f} |"
-                      f"{'':{len(BREAKDOWN_LABEL)}s}" + " ".join(f"{m[k]:{w}.1f}" for k, w in BREAKDOWN_WIDTHS.items()), flush=True)
+                      f"{'':{len(BREAKDOWN_LABEL)}s}"
+                      + " ".join(f"{m[k]:{w}.1f}" for k, w in BREAKDOWN_WIDTHS.items()), flush=True)
         walls = [t["wall"] / f["wall"] for t, f in zip(runs["tree"], runs["flat"])]
         by_sandbox[sandbox] = {
             **{f"{k}_tree_over_flat": round(statistics.mean(r[k] for r in runs["tree"])

@@ -99,8 +99,13 @@ class SignpostSandbox(Sandbox):
             return self.config.right_door
         return random.Random(7919 * task_id + self.config.length).choice(COLORS)
 
+    @property
+    def _decides_first(self) -> bool:
+        """Whether the doors come first (``decide_at="start"``)."""
+        return self.config.decide_at == "start"
+
     def _at_doors(self) -> bool:
-        if self.config.decide_at == "start":
+        if self._decides_first:
             return self._opened is None
         return self._room == self.config.length - 1
 
@@ -116,7 +121,7 @@ class SignpostSandbox(Sandbox):
     def _reset(self, task: Mapping[str, Any]) -> Observation:
         self._right = self.right_door(task)
         self._room, self._steps, self._opened = 0, 0, None
-        if self.config.decide_at == "start":
+        if self._decides_first:
             intro = (f"You stand before a red door and a blue door, each opening onto a corridor of "
                      f"{self.config.length} rooms; a sign tells which one leads out. Open the right door, then walk "
                      "east to the end of its corridor.")
@@ -145,7 +150,7 @@ class SignpostSandbox(Sandbox):
     def _transition(self, action: str) -> StepResult:
         self._steps += 1
         last = self.config.length - 1
-        start = self.config.decide_at == "start"
+        start = self._decides_first
         if action.startswith("open "):
             if not self._at_doors():
                 return self._continue("There is no door here.")
@@ -168,7 +173,7 @@ class SignpostSandbox(Sandbox):
         return self._continue("You look around.")
 
     def _end(self, won: bool) -> StepResult:
-        if self.config.decide_at == "start":
+        if self._decides_first:
             text = "The corridor opens onto daylight. You won!" if won else "The corridor ends at a wall. You lost."
         else:
             text = "The door opens onto daylight. You won!" if won else "The door opens onto a wall. You lost."
@@ -181,9 +186,9 @@ class SignpostSandbox(Sandbox):
         return self._end_at_step_limit(result, self._steps, self.config.max_steps)
 
     def _describe(self) -> str:
-        if self.config.decide_at == "start" and self._opened is None:
+        if self._decides_first and self._opened is None:
             return f"Room 1. A red door and a blue door. The sign says: {self._right}."
-        if self.config.decide_at == "end" and self._room == self.config.length - 1:
+        if not self._decides_first and self._room == self.config.length - 1:
             return f"Room {self._room + 1}, the last. The sign says: {self._right}. Exits: west."
         exits = "east, west" if self._room > 0 else "east"
         return f"Room {self._room + 1}. The corridor goes on. Exits: {exits}."

@@ -54,18 +54,13 @@ class DemoTask:
         return [{"task_id": i} for i in ids]
 
 
-TASKS = {
-    "late": DemoTask(
-        "late", "signpost", {"length": 6, "max_steps": 8, "num_tasks": 256, "invalid_penalty": 0.1,
-                             "right_door": "red"},
-        train_ids=range(0, 192), eval_ids=range(192, 256), max_turns=8,
-        warm_start={"episodes": 96, "max_turns": 8, "steps": 200, "expert_prob": 0.97}, target=0.75, lr=5e-4),
-    "early": DemoTask(
-        "early", "signpost", {"length": 6, "max_steps": 8, "num_tasks": 256, "invalid_penalty": 0.1,
-                              "right_door": "red", "decide_at": "start"},
-        train_ids=range(0, 192), eval_ids=range(192, 256), max_turns=8,
-        warm_start={"episodes": 96, "max_turns": 8, "steps": 200, "expert_prob": 0.97}, target=0.75, lr=5e-4),
-}
+_LATE = DemoTask(
+    "late", "signpost", {"length": 6, "max_steps": 8, "num_tasks": 256, "invalid_penalty": 0.1, "right_door": "red"},
+    train_ids=range(0, 192), eval_ids=range(192, 256), max_turns=8,
+    warm_start={"episodes": 96, "max_turns": 8, "steps": 200, "expert_prob": 0.97}, target=0.75, lr=5e-4)
+# Derived from ``late`` so that the two tasks differ, by construction, only in where the decision sits.
+_EARLY = dataclasses.replace(_LATE, name="early", sandbox_config={**_LATE.sandbox_config, "decide_at": "start"})
+TASKS = {task.name: task for task in (_LATE, _EARLY)}
 
 
 def _corpus() -> list[str]:

@@ -1,4 +1,5 @@
-"""In-process rollout with a local Hugging Face model: an :class:`~verl_bpo.rollout.protocols.LLMClient` and a chat codec.
+"""In-process rollout with a local Hugging Face model: an :class:`~verl_bpo.rollout.protocols.LLMClient` and a chat
+codec.
 
 verl serves the policy through vLLM/SGLang and tokenizes turns with its continuous-token builder; these two classes
 stand in for both when no server runs (the tree picture of the CPU demo, and ``benchmarks/learning.py``, which
