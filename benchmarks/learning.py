@@ -17,6 +17,9 @@ Measured, per task, seed and estimator:
   estimator);
 * **updates to target** — the first evaluated update whose success reaches the task's target (a seed that never
   does counts as ``--updates`` + ``--eval-every``, stated as censored);
+* **tokens to target** — the generated tokens spent until then (a censored seed at its mean rate per update).
+  Tokens per update are matched at the warm start only: each estimator's budget follows its own policy's
+  episodes, so this is the comparison at matched generated tokens once the policies differ;
 * **final success** — the mean of the last two evaluations;
 * **gradient variance at matched tokens** — at the warm-start policy, ``--grad-draws`` independent batches per
   estimator (BPO after ``--grad-warmup`` batches that teach its profile): tr Cov(ĝ) × generated tokens per batch,
@@ -27,7 +30,7 @@ Measured, per task, seed and estimator:
     python benchmarks/learning.py [--seeds 4] [--updates 16] [--out runs/learning]
 
 Last line: one JSON object with, per task prefix ``late_`` and ``early_``: ``updates_to_target_bpo_over_grpo``,
-``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``, ``grad_var_bpo_over_rloo``, their ``ci95``, and
+``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``, ``grad_var_bpo_over_rloo``, their ``ci95``, and
 tokens, env steps and trainer rows per update per estimator. Targets (the paper's, on the late task): updates
 <= 0.62, success >= +0.036, gradient variance <= 0.5; on the early task: success vs RLOO >= -0.02 (a tie).
 """
@@ -61,20 +64,21 @@ def tree_settings(args: argparse.Namespace) -> dict:
     return {"max_leaves": args.max_leaves, "warmup_trees": args.bpo_warmup_trees}
 
 
-def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict) -> LocalRL:
+def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,
+            adam_eps: float = 1e-8) -> LocalRL:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LocalRLConfig(estimator=estimator, n_leaves=N_LEAVES, batch_size=BATCH, lr=task.lr,
+    config = LocalRLConfig(estimator=estimator, n_leaves=N_LEAVES, batch_size=BATCH, lr=task.lr, adam_eps=adam_eps,
                            response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, tree))
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
 
 
 def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace) -> dict:
-    rl = trainer(model_dir, task, estimator, seed, tree_settings(args))
+    rl = trainer(model_dir, task, estimator, seed, tree_settings(args), args.adam_eps)
     order = random.Random(seed).sample(task.tasks(task.train_ids), len(task.train_ids))  # the same for every estimator
     evals = task.tasks(task.eval_ids)
     curve, steps = [(0, rl.evaluate(evals, args.eval_episodes))], []
@@ -119,10 +123,21 @@ def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> list[float]:
     return [round(float(np.percentile(values, 2.5)), 4), round(float(np.percentile(values, 97.5)), 4)]
 
 
+def tokens_until(run: dict, update: int) -> float:
+    """Generated tokens of a run's first ``update`` updates; past its last update (censored), its mean rate."""
+    per_update = [s["generated_tokens"] * BATCH for s in run["steps"]]
+    if update <= len(per_update):
+        return float(sum(per_update[:update]))
+    return float(np.mean(per_update)) * update
+
+
 def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace) -> dict:
     censored = args.updates + args.eval_every
     reach = {e: np.array([next((u for u, s in r["curve"] if s >= task.target), censored) for r in runs[e]])
              for e in ESTIMATORS}
+    # Tokens are matched at the warm start, not during training (each budget follows its own policy), so the
+    # generated tokens spent to reach the target are reported next to the updates.
+    reach_tokens = {e: np.array([tokens_until(r, u) for r, u in zip(runs[e], reach[e])]) for e in ESTIMATORS}
     final = {e: np.array([np.mean([s for _, s in r["curve"][-2:]]) for r in runs[e]]) for e in ESTIMATORS}
     n = args.seeds
     (gram_b, tok_b), (gram_r, tok_r) = grads["bpo"], grads["rloo"]
@@ -132,11 +147,14 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
 
     out = {
         "updates_to_target_bpo_over_grpo": round(float(reach["bpo"].mean() / reach["grpo"].mean()), 4),
+        "tokens_to_target_bpo_over_grpo": round(float(reach_tokens["bpo"].mean() / reach_tokens["grpo"].mean()), 4),
         "final_success_bpo_minus_grpo": round(float(final["bpo"].mean() - final["grpo"].mean()), 4),
         "final_success_bpo_minus_rloo": round(float(final["bpo"].mean() - final["rloo"].mean()), 4),
         "grad_var_bpo_over_rloo": round(var_ratio(np.arange(args.grad_draws)), 4),
         "ci95": {
             "updates_to_target_bpo_over_grpo": bootstrap(lambda i: reach["bpo"][i].mean() / reach["grpo"][i].mean(), n),
+            "tokens_to_target_bpo_over_grpo": bootstrap(
+                lambda i: reach_tokens["bpo"][i].mean() / reach_tokens["grpo"][i].mean(), n),
             "final_success_bpo_minus_grpo": bootstrap(lambda i: final["bpo"][i].mean() - final["grpo"][i].mean(), n),
             "final_success_bpo_minus_rloo": bootstrap(lambda i: final["bpo"][i].mean() - final["rloo"][i].mean(), n),
             "grad_var_bpo_over_rloo": bootstrap(var_ratio, args.grad_draws),
@@ -144,6 +162,7 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
         "target_success": task.target,
         "updates_to_target": {e: reach[e].tolist() for e in ESTIMATORS},
         "censored_at": censored,
+        "tokens_to_target": {e: [round(float(v)) for v in reach_tokens[e]] for e in ESTIMATORS},
         "final_success": {e: [round(float(v), 4) for v in final[e]] for e in ESTIMATORS},
         "per_update": {e: {k: round(float(np.mean([s[k] for r in runs[e] for s in r["steps"]])) * BATCH, 1)
                            for k in ("generated_tokens", "env_steps", "trainer_rows")} for e in ESTIMATORS},
@@ -189,6 +208,8 @@ def main() -> None:
     parser.add_argument("--max-leaves", type=int, default=32, help="bpo.max_leaves of the BPO trees")
     parser.add_argument("--bpo-warmup-trees", type=int, default=8,
                         help="bpo.warmup_trees: BPO's first trees of exploration shape (a root of N/2)")
+    parser.add_argument("--adam-eps", type=float, default=1e-8,
+                        help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps)")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
@@ -217,7 +238,8 @@ def main() -> None:
         (out / f"runs_{name}.json").write_text(json.dumps(runs))
     result.update({"seeds": args.seeds, "updates": args.updates, "lr": {t: TASKS[t].lr for t in args.tasks},
                    "n_leaves": N_LEAVES, "batch": BATCH, "max_leaves": args.max_leaves,
-                   "bpo_warmup_trees": args.bpo_warmup_trees, "wall_s": round(time.monotonic() - start)})
+                   "bpo_warmup_trees": args.bpo_warmup_trees, "adam_eps": args.adam_eps,
+                   "wall_s": round(time.monotonic() - start)})
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out}/learning_*.png and learning.json")
     print(json.dumps(result))

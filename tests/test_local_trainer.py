@@ -134,3 +134,21 @@ def test_warm_start_gives_tokens_its_chats_never_contain_the_mean_embedding(mode
     assert torch.allclose(weight[unseen], mean.expand(len(unseen), -1), atol=1e-6)
     base = AutoModelForCausalLM.from_pretrained(model_dir).get_input_embeddings().weight.detach()
     assert not torch.allclose(base[unseen], mean.expand(len(unseen), -1), atol=1e-3)  # the fill did something
+
+
+def test_adam_eps_reaches_the_optimizer(model_dir):
+    assert make_trainer(model_dir, adam_eps=1e-5).optimizer.param_groups[0]["eps"] == 1e-5
+
+
+def test_learning_benchmark_counts_tokens_to_target_and_extrapolates_a_censored_seed():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py"
+    spec = importlib.util.spec_from_file_location("learning_benchmark", path)
+    learning = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learning)
+    run = {"steps": [{"generated_tokens": 10.0}, {"generated_tokens": 30.0}]}  # per tree: × BATCH per update
+    assert learning.tokens_until(run, 1) == 10.0 * learning.BATCH
+    assert learning.tokens_until(run, 2) == 40.0 * learning.BATCH
+    assert learning.tokens_until(run, 4) == 20.0 * learning.BATCH * 4  # censored: its mean rate

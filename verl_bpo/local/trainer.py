@@ -50,6 +50,9 @@ class LocalRLConfig:
         n_leaves: leaves (rollouts) per task: verl's ``rollout.n``. Default 8.
         batch_size: tasks per policy update: verl's ``data.train_batch_size``. Default 4.
         lr: AdamW learning rate. Default 1e-3.
+        adam_eps: AdamW's ``eps`` (verl: ``actor.optim.override_optimizer_config.eps``). Default 1e-8, torch's.
+            Adam moves every weight by about ``lr`` on its first steps however small its gradient; an ``eps``
+            near the per-weight gradient size damps that for weights the batch barely touches.
         grad_clip: gradient-norm clip, verl's ``actor.grad_clip``. Default 1.0.
         response_length: verl's ``rollout.response_length``; also the ``seq-mean-token-sum-norm`` scale. Default 320.
         loss_agg_mode: verl's ``actor.loss_agg_mode``. Default ``seq-mean-token-sum-norm`` (the plugin's default).
@@ -62,6 +65,7 @@ class LocalRLConfig:
     n_leaves: int = 8
     batch_size: int = 4
     lr: float = 1e-3
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     response_length: int = 320
     loss_agg_mode: str = "seq-mean-token-sum-norm"
@@ -95,7 +99,7 @@ class LocalRL:
         self.sandbox, self.sandbox_config = sandbox, dict(sandbox_config)
         self.client = BatchedHFClient(model, tokenizer, temperature=config.temperature)
         self.codec = TemplateCodec(tokenizer)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, eps=config.adam_eps)
         self.estimator_fn = core_algos.get_adv_estimator_fn(config.estimator)
         self.bpo = BPOConfig.from_mapping(config.bpo)
         self.policies: dict[str, ForkPolicy] = {}  # per estimator: what it learns carries across updates
