@@ -8,7 +8,9 @@ registry and policy loss with the arguments verl's actor passes; an in-process p
 and FSDP, so that several seeds fit on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts
 per task; BPO grows one tree per task with ``bpo.allocation=learned`` and ``bpo.budget=tokens`` (the tokens N flat
 rollouts of the task generate, learned from earlier trees), up to ``--max-leaves`` leaves. Every update has the
-same tasks, learning rate and one AdamW step. Generated tokens, environment steps and trainer rows per update are reported for each estimator.
+same tasks, learning rate and one AdamW step (``eps`` 1e-5, ``--adam-eps``: with torch's 1e-8 single updates break
+the warm start's format for every estimator, ``benchmarks/first_updates.py``). Generated tokens, environment steps
+and trainer rows per update are reported for each estimator.
 
 Measured, per task, seed and estimator:
 
@@ -21,6 +23,9 @@ Measured, per task, seed and estimator:
   Tokens per update are matched at the warm start only: each estimator's budget follows its own policy's
   episodes, so this is the comparison at matched generated tokens once the policies differ;
 * **final success** — the mean of the last two evaluations;
+* **success at matched tokens** — per seed, each run's success once it has generated as many tokens as the run
+  that generated least over its ``--updates`` (interpolated between evaluations): the end of training at matched
+  generated tokens;
 * **gradient variance at matched tokens** — at the warm-start policy, ``--grad-draws`` independent batches per
   estimator (BPO after ``--grad-warmup`` batches that teach its profile): tr Cov(ĝ) × generated tokens per batch,
   BPO over RLOO (both unbiased and on one scale).
@@ -30,7 +35,8 @@ Measured, per task, seed and estimator:
     python benchmarks/learning.py [--seeds 4] [--updates 16] [--out runs/learning]
 
 Last line: one JSON object with, per task prefix ``late_`` and ``early_``: ``updates_to_target_bpo_over_grpo``,
-``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``, ``grad_var_bpo_over_rloo``, their ``ci95``, and
+``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``,
+``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``), ``grad_var_bpo_over_rloo``, their ``ci95``, and
 tokens, env steps and trainer rows per update per estimator. Targets (the paper's, on the late task): updates
 <= 0.62, success >= +0.036, gradient variance <= 0.5; on the early task: success vs RLOO >= -0.02 (a tie).
 """
@@ -131,6 +137,12 @@ def tokens_until(run: dict, update: int) -> float:
     return float(np.mean(per_update)) * update
 
 
+def success_at_tokens(run: dict, tokens: float) -> float:
+    """A run's held-out success once it has generated ``tokens``, interpolated linearly between evaluations."""
+    spent = np.concatenate([[0.0], np.cumsum([s["generated_tokens"] * BATCH for s in run["steps"]])])
+    return float(np.interp(tokens, [spent[u] for u, _ in run["curve"]], [s for _, s in run["curve"]]))
+
+
 def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace) -> dict:
     censored = args.updates + args.eval_every
     reach = {e: np.array([next((u for u, s in r["curve"] if s >= task.target), censored) for r in runs[e]])
@@ -138,6 +150,9 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
     # Tokens are matched at the warm start, not during training (each budget follows its own policy), so the
     # generated tokens spent to reach the target are reported next to the updates.
     reach_tokens = {e: np.array([tokens_until(r, u) for r, u in zip(runs[e], reach[e])]) for e in ESTIMATORS}
+    # Success at matched generated tokens: per seed, where the run that generated least stopped.
+    least = [min(tokens_until(runs[e][s], args.updates) for e in ESTIMATORS) for s in range(args.seeds)]
+    matched = {e: np.array([success_at_tokens(r, t) for r, t in zip(runs[e], least)]) for e in ESTIMATORS}
     final = {e: np.array([np.mean([s for _, s in r["curve"][-2:]]) for r in runs[e]]) for e in ESTIMATORS}
     n = args.seeds
     (gram_b, tok_b), (gram_r, tok_r) = grads["bpo"], grads["rloo"]
@@ -150,6 +165,8 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
         "tokens_to_target_bpo_over_grpo": round(float(reach_tokens["bpo"].mean() / reach_tokens["grpo"].mean()), 4),
         "final_success_bpo_minus_grpo": round(float(final["bpo"].mean() - final["grpo"].mean()), 4),
         "final_success_bpo_minus_rloo": round(float(final["bpo"].mean() - final["rloo"].mean()), 4),
+        "success_at_matched_tokens_bpo_minus_grpo": round(float(matched["bpo"].mean() - matched["grpo"].mean()), 4),
+        "success_at_matched_tokens_bpo_minus_rloo": round(float(matched["bpo"].mean() - matched["rloo"].mean()), 4),
         "grad_var_bpo_over_rloo": round(var_ratio(np.arange(args.grad_draws)), 4),
         "ci95": {
             "updates_to_target_bpo_over_grpo": bootstrap(lambda i: reach["bpo"][i].mean() / reach["grpo"][i].mean(), n),
@@ -157,12 +174,18 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
                 lambda i: reach_tokens["bpo"][i].mean() / reach_tokens["grpo"][i].mean(), n),
             "final_success_bpo_minus_grpo": bootstrap(lambda i: final["bpo"][i].mean() - final["grpo"][i].mean(), n),
             "final_success_bpo_minus_rloo": bootstrap(lambda i: final["bpo"][i].mean() - final["rloo"][i].mean(), n),
+            "success_at_matched_tokens_bpo_minus_grpo": bootstrap(
+                lambda i: matched["bpo"][i].mean() - matched["grpo"][i].mean(), n),
+            "success_at_matched_tokens_bpo_minus_rloo": bootstrap(
+                lambda i: matched["bpo"][i].mean() - matched["rloo"][i].mean(), n),
             "grad_var_bpo_over_rloo": bootstrap(var_ratio, args.grad_draws),
         },
         "target_success": task.target,
         "updates_to_target": {e: reach[e].tolist() for e in ESTIMATORS},
         "censored_at": censored,
         "tokens_to_target": {e: [round(float(v)) for v in reach_tokens[e]] for e in ESTIMATORS},
+        "matched_tokens": [round(t) for t in least],
+        "success_at_matched_tokens": {e: [round(float(v), 4) for v in matched[e]] for e in ESTIMATORS},
         "final_success": {e: [round(float(v), 4) for v in final[e]] for e in ESTIMATORS},
         "per_update": {e: {k: round(float(np.mean([s[k] for r in runs[e] for s in r["steps"]])) * BATCH, 1)
                            for k in ("generated_tokens", "env_steps", "trainer_rows")} for e in ESTIMATORS},
@@ -208,8 +231,9 @@ def main() -> None:
     parser.add_argument("--max-leaves", type=int, default=32, help="bpo.max_leaves of the BPO trees")
     parser.add_argument("--bpo-warmup-trees", type=int, default=8,
                         help="bpo.warmup_trees: BPO's first trees of exploration shape (a root of N/2)")
-    parser.add_argument("--adam-eps", type=float, default=1e-8,
-                        help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps)")
+    parser.add_argument("--adam-eps", type=float, default=1e-5,
+                        help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps); "
+                             "torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()

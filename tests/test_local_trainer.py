@@ -140,7 +140,7 @@ def test_adam_eps_reaches_the_optimizer(model_dir):
     assert make_trainer(model_dir, adam_eps=1e-5).optimizer.param_groups[0]["eps"] == 1e-5
 
 
-def test_learning_benchmark_counts_tokens_to_target_and_extrapolates_a_censored_seed():
+def test_learning_benchmark_counts_tokens_to_target_and_success_at_matched_tokens():
     import importlib.util
     from pathlib import Path
 
@@ -152,3 +152,6 @@ def test_learning_benchmark_counts_tokens_to_target_and_extrapolates_a_censored_
     assert learning.tokens_until(run, 1) == 10.0 * learning.BATCH
     assert learning.tokens_until(run, 2) == 40.0 * learning.BATCH
     assert learning.tokens_until(run, 4) == 20.0 * learning.BATCH * 4  # censored: its mean rate
+    run["curve"] = [(0, 0.2), (2, 0.6)]  # evaluated before training and after both updates
+    assert np.isclose(learning.success_at_tokens(run, 20.0 * learning.BATCH), 0.4)  # half the tokens spent
+    assert learning.success_at_tokens(run, 0.0) == 0.2
