@@ -56,6 +56,7 @@ from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 
 ESTIMATORS = ("bpo", "grpo", "rloo")
 N_LEAVES, BATCH, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 4, 384, 6
+ADAM_EPS = 1e-5  # torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)
 
 
 def bpo_block(task: DemoTask, estimator: str, tree: dict) -> dict:
@@ -71,7 +72,7 @@ def tree_settings(args: argparse.Namespace) -> dict:
 
 
 def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,
-            adam_eps: float = 1e-8) -> LocalRL:
+            adam_eps: float = ADAM_EPS) -> LocalRL:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -231,9 +232,8 @@ def main() -> None:
     parser.add_argument("--max-leaves", type=int, default=32, help="bpo.max_leaves of the BPO trees")
     parser.add_argument("--bpo-warmup-trees", type=int, default=8,
                         help="bpo.warmup_trees: BPO's first trees of exploration shape (a root of N/2)")
-    parser.add_argument("--adam-eps", type=float, default=1e-5,
-                        help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps); "
-                             "torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)")
+    parser.add_argument("--adam-eps", type=float, default=ADAM_EPS,
+                        help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps)")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
