@@ -23,11 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import time
 from pathlib import Path
 
-from learning import BATCH, ESTIMATORS, trainer, tree_settings
+from learning import ESTIMATORS, task_order, trainer, tree_settings, update_batch
+from transformers import AutoTokenizer
 
 from sandbox_adapters.registry import make_sandbox
 from verl_bpo.demo.tasks import TASKS, DemoTask, task_model
@@ -38,9 +38,7 @@ def first_prompt(task: DemoTask, tokenizer) -> tuple[list[int], int]:
     """The first prompt of the first training task and the first token of its right action."""
     box = make_sandbox(task.sandbox, task.sandbox_config)
     observation = box.reset(task.tasks(task.train_ids)[0])
-    messages = [{"role": "system", "content": box.system_prompt()},
-                {"role": "user", "content": box.first_user_message(observation)}]
-    prompt = asyncio.run(TemplateCodec(tokenizer).start(messages))
+    prompt = asyncio.run(TemplateCodec(tokenizer).start(box.opening_chat(observation)))
     return prompt, tokenizer.encode(box.best_action(), add_special_tokens=False)[0]
 
 
@@ -64,7 +62,8 @@ def main() -> None:
     start = time.monotonic()
     task = TASKS[args.task]
     model_dir = task_model(args.out.resolve(), task)
-    tree = tree_settings(argparse.Namespace(max_leaves=32, bpo_warmup_trees=8))  # learning.py's defaults
+    prompt, token = first_prompt(task, AutoTokenizer.from_pretrained(model_dir))
+    tree = tree_settings()  # learning.py's defaults
     result: dict = {}
     for eps in args.eps:
         cell = result[f"eps_{eps:g}"] = {}
@@ -72,11 +71,10 @@ def main() -> None:
             dropped, lowest = [], 1.0
             for seed in range(args.seeds):
                 rl = trainer(model_dir, task, estimator, seed, tree, adam_eps=eps)
-                prompt, token = first_prompt(task, rl.tokenizer)
-                order = random.Random(seed).sample(task.tasks(task.train_ids), len(task.train_ids))
+                order = task_order(task, seed)
                 curve = [first_action_probability(rl, prompt, token)]
                 for u in range(args.updates):
-                    rl.step([order[(u * BATCH + j) % len(order)] for j in range(BATCH)])
+                    rl.step(update_batch(order, u))
                     curve.append(first_action_probability(rl, prompt, token))
                 print(f"eps {eps:g} {estimator:4s} seed {seed}: p(first action) "
                       + " ".join(f"{p:.3f}" for p in curve), flush=True)

@@ -57,6 +57,7 @@ from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 ESTIMATORS = ("bpo", "grpo", "rloo")
 N_LEAVES, BATCH, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 4, 384, 6
 ADAM_EPS = 1e-5  # torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)
+MAX_LEAVES, BPO_WARMUP_TREES = 32, 8  # the defaults of --max-leaves and --bpo-warmup-trees
 
 
 def bpo_block(task: DemoTask, estimator: str, tree: dict) -> dict:
@@ -67,8 +68,18 @@ def bpo_block(task: DemoTask, estimator: str, tree: dict) -> dict:
     return block
 
 
-def tree_settings(args: argparse.Namespace) -> dict:
-    return {"max_leaves": args.max_leaves, "warmup_trees": args.bpo_warmup_trees}
+def tree_settings(max_leaves: int = MAX_LEAVES, warmup_trees: int = BPO_WARMUP_TREES) -> dict:
+    return {"max_leaves": max_leaves, "warmup_trees": warmup_trees}
+
+
+def task_order(task: DemoTask, seed: int) -> list[dict[str, int]]:
+    """The training tasks in the order a seed trains on them, the same for every estimator."""
+    return random.Random(seed).sample(task.tasks(task.train_ids), len(task.train_ids))
+
+
+def update_batch(order: list[dict[str, int]], update: int) -> list[dict[str, int]]:
+    """The tasks of one update."""
+    return [order[(update * BATCH + j) % len(order)] for j in range(BATCH)]
 
 
 def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,
@@ -85,13 +96,13 @@ def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: di
 
 
 def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace) -> dict:
-    rl = trainer(model_dir, task, estimator, seed, tree_settings(args), args.adam_eps)
-    order = random.Random(seed).sample(task.tasks(task.train_ids), len(task.train_ids))  # the same for every estimator
+    rl = trainer(model_dir, task, estimator, seed, tree_settings(args.max_leaves, args.bpo_warmup_trees),
+                 args.adam_eps)
+    order = task_order(task, seed)
     evals = task.tasks(task.eval_ids)
     curve, steps = [(0, rl.evaluate(evals, args.eval_episodes))], []
     for u in range(args.updates):
-        batch = [order[(u * BATCH + j) % len(order)] for j in range(BATCH)]
-        steps.append(rl.step(batch).__dict__)
+        steps.append(rl.step(update_batch(order, u)).__dict__)
         if (u + 1) % args.eval_every == 0:
             curve.append((u + 1, rl.evaluate(evals, args.eval_episodes)))
     return {"curve": curve, "steps": steps}
@@ -130,9 +141,14 @@ def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> list[float]:
     return [round(float(np.percentile(values, 2.5)), 4), round(float(np.percentile(values, 97.5)), 4)]
 
 
+def tokens_per_update(run: dict) -> list[float]:
+    """Generated tokens of each update of a run (its steps record the mean per tree)."""
+    return [s["generated_tokens"] * BATCH for s in run["steps"]]
+
+
 def tokens_until(run: dict, update: int) -> float:
     """Generated tokens of a run's first ``update`` updates; past its last update (censored), its mean rate."""
-    per_update = [s["generated_tokens"] * BATCH for s in run["steps"]]
+    per_update = tokens_per_update(run)
     if update <= len(per_update):
         return float(sum(per_update[:update]))
     return float(np.mean(per_update)) * update
@@ -140,7 +156,7 @@ def tokens_until(run: dict, update: int) -> float:
 
 def success_at_tokens(run: dict, tokens: float) -> float:
     """A run's held-out success once it has generated ``tokens``, interpolated linearly between evaluations."""
-    spent = np.concatenate([[0.0], np.cumsum([s["generated_tokens"] * BATCH for s in run["steps"]])])
+    spent = np.concatenate([[0.0], np.cumsum(tokens_per_update(run))])
     return float(np.interp(tokens, [spent[u] for u, _ in run["curve"]], [s for _, s in run["curve"]]))
 
 
@@ -229,8 +245,8 @@ def main() -> None:
     parser.add_argument("--eval-episodes", type=int, default=2, help="episodes per held-out task per evaluation")
     parser.add_argument("--grad-draws", type=int, default=128, help="batches per estimator for the gradient variance")
     parser.add_argument("--grad-warmup", type=int, default=4, help="BPO batches that teach its profile first")
-    parser.add_argument("--max-leaves", type=int, default=32, help="bpo.max_leaves of the BPO trees")
-    parser.add_argument("--bpo-warmup-trees", type=int, default=8,
+    parser.add_argument("--max-leaves", type=int, default=MAX_LEAVES, help="bpo.max_leaves of the BPO trees")
+    parser.add_argument("--bpo-warmup-trees", type=int, default=BPO_WARMUP_TREES,
                         help="bpo.warmup_trees: BPO's first trees of exploration shape (a root of N/2)")
     parser.add_argument("--adam-eps", type=float, default=ADAM_EPS,
                         help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps)")
@@ -245,7 +261,7 @@ def main() -> None:
         task = TASKS[name]
         model_dir = task_model(out, task)
         grads = {e: gradient_draws(model_dir, task, e, args.grad_draws, args.grad_warmup if e == "bpo" else 0,
-                                   tree_settings(args)) for e in ("bpo", "rloo")}
+                                   tree_settings(args.max_leaves, args.bpo_warmup_trees)) for e in ("bpo", "rloo")}
         print(f"{name}: tr Cov x tokens at the warm start: "
               + ", ".join(f"{e} {trace_cov(g) * t:.4g} ({t:.0f} tokens)" for e, (g, t) in grads.items()), flush=True)
         runs: dict[str, list] = {e: [] for e in ESTIMATORS}

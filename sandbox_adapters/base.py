@@ -14,7 +14,8 @@ The contract, small on purpose (OpenRLHF's reset/step plus snapshot/restore):
 * ``snapshot() -> Snapshot`` / ``restore(snapshot, seed=None)``. A snapshot is immutable from the outside:
   restoring from it any number of times, into any sandbox of the same class, never changes it.
 * ``close()`` releases every process, mount and temporary directory the sandbox made.
-* Chat rendering: ``system_prompt()``, ``first_user_message(observation)``, ``render_observation(obs)``.
+* Chat rendering: ``system_prompt()``, ``first_user_message(observation)`` (together ``opening_chat(observation)``),
+  ``render_observation(obs)``.
 
 Engine faults (a crash, a hang past ``step_timeout_s``, a restore that fails) raise a subclass of
 :class:`SandboxError`, which the tree sampler turns into one failed leaf.
@@ -239,6 +240,11 @@ class Sandbox(abc.ABC):
     def first_user_message(self, observation: Observation) -> str:
         """The first user message: the task instruction and the initial observation."""
         return observation.text
+
+    def opening_chat(self, observation: Observation) -> list[dict[str, str]]:
+        """The chat an episode starts from: the system prompt and the first user message."""
+        return [{"role": "system", "content": self.system_prompt()},
+                {"role": "user", "content": self.first_user_message(observation)}]
 
     def render_observation(self, observation: Observation) -> str:
         """A later observation as the content of a user message."""

@@ -61,9 +61,7 @@ def sandbox_rows(
     try:
         for i, task in enumerate(tasks):
             observation = box.reset(task)
-            prompt = [{"role": "system", "content": box.system_prompt()},
-                      {"role": "user", "content": box.first_user_message(observation)}]
-            rows.append(task_row(sandbox, task, sandbox_config, prompt, split, i, agent_name))
+            rows.append(task_row(sandbox, task, sandbox_config, box.opening_chat(observation), split, i, agent_name))
     finally:
         box.close()
     return rows

@@ -61,8 +61,7 @@ def random_policy_chats(sandbox: str, sandbox_config: Mapping[str, Any] | None, 
         for i in range(episodes):
             task = tasks[i % len(tasks)]
             obs = box.reset(task)
-            chat = [{"role": "system", "content": box.system_prompt()},
-                    {"role": "user", "content": box.first_user_message(obs)}]
+            chat = box.opening_chat(obs)
             for _ in range(max_turns):
                 if rng.random() < expert_prob:
                     action = demonstrate()

@@ -204,8 +204,7 @@ class TreeSampler:
         return unstarted
 
     async def _root_branch(self, box: Sandbox, observation: Observation) -> Branch:
-        messages = [{"role": "system", "content": box.system_prompt()},
-                    {"role": "user", "content": box.first_user_message(observation)}]
+        messages = box.opening_chat(observation)
         prompt_ids = await self.codec.start(messages)
         return Branch(0, box, Transcript(messages, list(prompt_ids), len(prompt_ids)), [0], [], 1.0)
 

@@ -146,7 +146,8 @@ class TreeState:
     def record(self) -> TreeRecord:
         """What the finished tree tells the fork policy's profile."""
         return TreeRecord([tuple(b.node_path) for b in self.branches],
-                          [float(sum(b.turn_rewards)) for b in self.branches], [b.mass for b in self.branches], dict(self.turn_uncertainty), dict(self.turn_tokens))
+                          [float(sum(b.turn_rewards)) for b in self.branches], [b.mass for b in self.branches],
+                          dict(self.turn_uncertainty), dict(self.turn_tokens))
 
     @property
     def turns(self) -> int:
