@@ -6,8 +6,12 @@ and the walk after it only reveals the outcome. For each task and seed, every es
 start on the same task order with :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator
 registry and policy loss with the arguments verl's actor passes; an in-process policy and optimizer instead of vLLM
 and FSDP, so that several seeds fit on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts
-per task; BPO grows one tree per task with ``bpo.allocation=learned`` and ``bpo.budget=tokens`` (the tokens N flat
-rollouts of the task generate, learned from earlier trees), up to ``--max-leaves`` leaves. Every update has the
+per task; BPO grows one tree per task with ``bpo.allocation=learned`` and ``bpo.budget=tokens``, up to
+``--max-leaves`` leaves. Its tree's token budget is, by default (``--match grpo``), exactly the tokens GRPO's group
+generated on the same task at the same update of the same seed (GRPO trains first), so BPO and GRPO are matched in
+generated tokens per update throughout training, not only at the warm start; ``--match rloo`` pairs with RLOO
+instead, and ``--match own`` gives each tree what N flat rollouts of BPO's own policy would generate, learned from
+its earlier trees (the tokens then follow each estimator's policy and are matched at the warm start only). Every update has the
 same tasks, learning rate and one AdamW step (``eps`` 1e-5, ``--adam-eps``: with torch's 1e-8 single updates break
 the warm start's format for every estimator, ``benchmarks/first_updates.py``). Generated tokens, environment steps
 and trainer rows per update are reported for each estimator.
@@ -19,9 +23,8 @@ Measured, per task, seed and estimator:
   estimator);
 * **updates to target** — the first evaluated update whose success reaches the task's target (a seed that never
   does counts as ``--updates`` + ``--eval-every``, stated as censored);
-* **tokens to target** — the generated tokens spent until then (a censored seed at its mean rate per update).
-  Tokens per update are matched at the warm start only: each estimator's budget follows its own policy's
-  episodes, so this is the comparison at matched generated tokens once the policies differ;
+* **tokens to target** — the generated tokens spent until then (a censored seed at its mean rate per update): the
+  comparison at matched generated tokens with the estimator BPO is not paired with (and under ``--match own``);
 * **final success** — the mean of the last two evaluations;
 * **success at matched tokens** — per seed, each run's success once it has generated as many tokens as the run
   that generated least over its ``--updates`` (interpolated between evaluations): the end of training at matched
@@ -32,12 +35,12 @@ Measured, per task, seed and estimator:
 
 95% confidence intervals: paired bootstrap over seeds (learning), bootstrap over draws (variance).
 
-    python benchmarks/learning.py [--seeds 4] [--updates 16] [--out runs/learning]
+    python benchmarks/learning.py [--seeds 4] [--updates 16] [--match grpo] [--out runs/learning]
 
 Last line: one JSON object with, per task prefix ``late_`` and ``early_``: ``updates_to_target_bpo_over_grpo``,
 ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``,
 ``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``), ``grad_var_bpo_over_rloo``, their ``ci95``, and
-tokens, env steps and trainer rows per update per estimator. Targets (the paper's, on the late task): updates
+tokens, env steps, trainer rows and pre-clip gradient norm per update per estimator. Targets (the paper's, on the late task): updates
 <= 0.62, success >= +0.036, gradient variance <= 0.5; on the early task: success vs RLOO >= -0.02 (a tie).
 """
 
@@ -55,6 +58,7 @@ from verl_bpo.demo.tasks import TASKS, DemoTask, task_model
 from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 
 ESTIMATORS = ("bpo", "grpo", "rloo")
+BASELINES = ("grpo", "rloo")
 N_LEAVES, BATCH, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 4, 384, 6
 ADAM_EPS = 1e-5  # torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)
 MAX_LEAVES, BPO_WARMUP_TREES = 32, 8  # the defaults of --max-leaves and --bpo-warmup-trees
@@ -95,14 +99,17 @@ def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: di
                    seed=seed)
 
 
-def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace) -> dict:
+def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace,
+              budgets: list[list[float]] | None = None) -> dict:
+    """One training run; ``budgets[u]``: the token budget of each task's tree at update ``u`` (BPO at matched
+    tokens), ``None``: learned from the run's own earlier trees."""
     rl = trainer(model_dir, task, estimator, seed, tree_settings(args.max_leaves, args.bpo_warmup_trees),
                  args.adam_eps)
     order = task_order(task, seed)
     evals = task.tasks(task.eval_ids)
     curve, steps = [(0, rl.evaluate(evals, args.eval_episodes))], []
     for u in range(args.updates):
-        steps.append(rl.step(update_batch(order, u)).__dict__)
+        steps.append(rl.step(update_batch(order, u), None if budgets is None else budgets[u]).__dict__)
         if (u + 1) % args.eval_every == 0:
             curve.append((u + 1, rl.evaluate(evals, args.eval_episodes)))
     return {"curve": curve, "steps": steps}
@@ -164,8 +171,9 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
     censored = args.updates + args.eval_every
     reach = {e: np.array([next((u for u, s in r["curve"] if s >= task.target), censored) for r in runs[e]])
              for e in ESTIMATORS}
-    # Tokens are matched at the warm start, not during training (each budget follows its own policy), so the
-    # generated tokens spent to reach the target are reported next to the updates.
+    # BPO's budgets match its paired baseline's tokens per update, not the other's (nor anyone's under --match own),
+    # and a tree may leave some of its budget unspent, so the generated tokens spent to reach the target are
+    # reported next to the updates.
     reach_tokens = {e: np.array([tokens_until(r, u) for r, u in zip(runs[e], reach[e])]) for e in ESTIMATORS}
     # Success at matched generated tokens: per seed, where the run that generated least stopped.
     least = [min(tokens_until(runs[e][s], args.updates) for e in ESTIMATORS) for s in range(args.seeds)]
@@ -206,6 +214,8 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
         "final_success": {e: [round(float(v), 4) for v in final[e]] for e in ESTIMATORS},
         "per_update": {e: {k: round(float(np.mean([s[k] for r in runs[e] for s in r["steps"]])) * BATCH, 1)
                            for k in ("generated_tokens", "env_steps", "trainer_rows")} for e in ESTIMATORS},
+        "grad_norm_per_update": {e: round(float(np.mean([s["grad_norm"] for r in runs[e] for s in r["steps"]])), 4)
+                                 for e in ESTIMATORS},
         "grad_tokens_per_batch": {"bpo": round(tok_b, 1), "rloo": round(tok_r, 1)},
     }
     return out
@@ -250,6 +260,8 @@ def main() -> None:
                         help="bpo.warmup_trees: BPO's first trees of exploration shape (a root of N/2)")
     parser.add_argument("--adam-eps", type=float, default=ADAM_EPS,
                         help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps)")
+    parser.add_argument("--match", choices=(*BASELINES, "own"), default="grpo",
+                        help="whose generated tokens per task and update BPO's tree budget is (module docstring)")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
@@ -266,9 +278,13 @@ def main() -> None:
               + ", ".join(f"{e} {trace_cov(g) * t:.4g} ({t:.0f} tokens)" for e, (g, t) in grads.items()), flush=True)
         runs: dict[str, list] = {e: [] for e in ESTIMATORS}
         for seed in range(args.seeds):
-            for estimator in ESTIMATORS:
+            # The paired baseline trains first: BPO's tree budgets are its tokens per task and update.
+            for estimator in sorted(ESTIMATORS, key=lambda e: (e == "bpo", e != args.match)):
                 t0 = time.monotonic()
-                run = train_one(model_dir, task, estimator, seed, args)
+                budgets = None
+                if estimator == "bpo" and args.match != "own":
+                    budgets = [s["tree_tokens"] for s in runs[args.match][seed]["steps"]]
+                run = train_one(model_dir, task, estimator, seed, args, budgets)
                 runs[estimator].append(run)
                 print(f"{name} seed {seed} {estimator:4s}: success " + " ".join(f"{s:.2f}" for _, s in run["curve"])
                       + f"  ({time.monotonic() - t0:.0f} s)", flush=True)
@@ -278,7 +294,7 @@ def main() -> None:
         (out / f"runs_{name}.json").write_text(json.dumps(runs))
     result.update({"seeds": args.seeds, "updates": args.updates, "lr": {t: TASKS[t].lr for t in args.tasks},
                    "n_leaves": N_LEAVES, "batch": BATCH, "max_leaves": args.max_leaves,
-                   "bpo_warmup_trees": args.bpo_warmup_trees, "adam_eps": args.adam_eps,
+                   "bpo_warmup_trees": args.bpo_warmup_trees, "adam_eps": args.adam_eps, "match": args.match,
                    "wall_s": round(time.monotonic() - start)})
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out}/learning_*.png and learning.json")

@@ -101,8 +101,15 @@ def test_turn_budget_and_leaf_cap_are_kept():
 def test_exploration_trees_have_the_fixed_shape_and_fork_depths_spread_evenly():
     results, policy = grow("late", learned(warmup_trees=400), 400)
     fork_depths = []
+    # The first batch of 64 concurrent trees starts before the profile knows what an episode costs.
+    assert {shape(result)["root"] for result in results[:64]} == {N // 2}
+    roots = {shape(result)["root"] for result in results[64:]}
+    assert len(roots) == 2 and max(roots) - min(roots) == 1 and min(roots) > N // 2  # stochastic rounding of R
+    steps = [r.metrics["bpo/env_steps"] for r in results[64:]]
+    assert 0.9 * N * T < np.mean(steps) < 1.1 * N * T  # the root paths and their forks fill the turn budget
+    leaf_budget, _ = grow("late", learned(warmup_trees=20, budget="leaves"), 20)
+    assert {shape(result)["root"] for result in leaf_budget} == {N // 2}
     for result in results:
-        assert shape(result)["root"] == N // 2
         by_root: dict[int, list] = {}
         for leaf in result.leaves:
             by_root.setdefault(leaf.meta.node_path[1], []).append(leaf.meta.node_path)
@@ -133,3 +140,17 @@ def test_a_learned_plan_reads_only_the_view_and_its_randomness():
                      turns_since_fork=2, horizon_left=6, budget=40.0)
     first = policy.start_tree(N, seed=1).widths([view], [0.0])
     assert policy.start_tree(N, seed=1).widths([other], [5.0]) == first
+
+
+def test_an_explicit_budget_replaces_the_learned_one_and_sizes_the_shape():
+    """A tree handed a budget (a paired baseline's tokens on the task) plans within it, not within N flat
+    rollouts' worth; a larger budget buys a costlier shape, and exploration trees record it too."""
+    results, policy = grow("late", learned(warmup_trees=200, explore_share=0.0), 200)
+    learned_budget = policy.start_tree(N, seed=0).root_budget
+    assert learned_budget == pytest.approx(N * policy.profile.episode_cost("turns"))
+    small, large = (policy.start_tree(N, seed=1, budget=b) for b in (0.5 * learned_budget, 2.0 * learned_budget))
+    assert isinstance(large, AllocationPlan) and (small.root_budget, large.root_budget) == (
+        0.5 * learned_budget, 2.0 * learned_budget)
+    assert small.shape.cost <= small.root_budget * (1 + 1e-9) < large.shape.cost <= large.root_budget * (1 + 1e-9)
+    explore = ForkPolicy(learned(warmup_trees=5)).start_tree(N, seed=0, budget=77.0)
+    assert isinstance(explore, ExplorePlan) and explore.root_budget == 77.0

@@ -27,7 +27,8 @@ def make_trainer(model_dir, estimator="bpo", **kw):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = LocalRLConfig(estimator=estimator, n_leaves=4, batch_size=2, response_length=128, bpo=BPO, **kw)
+    config = LocalRLConfig(estimator=estimator, n_leaves=4, batch_size=2, response_length=128,
+                           bpo=kw.pop("bpo", BPO), **kw)
     return LocalRL(model, tokenizer, "smoke", SMOKE, config)
 
 
@@ -155,3 +156,13 @@ def test_learning_benchmark_counts_tokens_to_target_and_success_at_matched_token
     run["curve"] = [(0, 0.2), (2, 0.6)]  # evaluated before training and after both updates
     assert np.isclose(learning.success_at_tokens(run, 20.0 * learning.BATCH), 0.4)  # half the tokens spent
     assert learning.success_at_tokens(run, 0.0) == 0.2
+
+
+def test_a_step_gives_each_tasks_tree_the_budget_it_is_handed(model_dir):
+    """The learning benchmark matches BPO's tokens per update to a baseline's by handing each tree a budget."""
+    trainer = make_trainer(model_dir, bpo={**BPO, "allocation": "learned", "budget": "tokens", "warmup_trees": 0,
+                                           "explore_share": 0.0, "k0": None})
+    results = trainer.rollout([{"task_id": 0}, {"task_id": 1}], budgets=[20.0, 45.0])
+    assert [r.metrics["bpo/budget"] for r in results] == [20.0, 45.0]
+    stats = trainer.step([{"task_id": 0}, {"task_id": 1}], budgets=[30.0, 30.0])
+    assert len(stats.tree_tokens) == 2 and np.mean(stats.tree_tokens) == pytest.approx(stats.generated_tokens)

@@ -242,8 +242,8 @@ class RecordingPolicy(ForkPolicy):
         super().__init__(config)
         self.llm, self.decided_at, self.declared = llm, {}, {}
 
-    def start_tree(self, n_leaves, seed=0):
-        plan = super().start_tree(n_leaves, seed)
+    def start_tree(self, n_leaves, seed=0, budget=None):
+        plan = super().start_tree(n_leaves, seed, budget)
         self.decided_at, self.declared = {}, {}  # per tree: node ids and histories repeat across trees
         self.root_width = plan.root_width
         eligible, widths = plan.eligible, plan.widths

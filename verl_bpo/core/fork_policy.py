@@ -23,8 +23,9 @@ Objects, from the longest-lived down:
     of the shape that, under the learned profile, gives the least leave-one-out gradient variance within the
     budget (:mod:`verl_bpo.core.shape`); a task decided by its first move gets the flat shape K0 = N (RLOO, which
     under the model it cannot do worse than).
-  - :class:`ExplorePlan` (``learned``, warm-up and ``explore_share``): K0 = N/2 root paths, each forking once into 2
-    at a depth drawn uniformly, independent of any score; its leaf pairs teach the profile where outcomes split.
+  - :class:`ExplorePlan` (``learned``, warm-up and ``explore_share``): enough root paths to fill the budget on
+    average (N/2 under a leaf budget), each forking once into 2 at a depth drawn uniformly, independent of any
+    score; its leaf pairs teach the profile where outcomes split.
 
 Budgets flow down the tree: a fork splits its node's budget among its children, a turn spends its cost, and what a
 path leaves unspent when its episode ends is shared among the branches still running (the shape of a subtree may
@@ -190,13 +191,14 @@ class _BudgetedPlan(_Plan):
 
     uses_scores = False
 
-    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:
+    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random,
+                 budget: float | None = None) -> None:
         super().__init__(config, n_leaves)
         self.unit = config.budget
         self.rng = rng
         self.cap = config.leaf_cap(n_leaves)
         self.per_rollout = 1.0 if self.unit == "leaves" else profile.episode_cost(self.unit)
-        self.root_budget = n_leaves * self.per_rollout
+        self.root_budget = n_leaves * self.per_rollout if budget is None else float(budget)
         self.pool = 0.0
         self.branches = 0
         self.spent = 0.0
@@ -266,8 +268,9 @@ class AllocationPlan(_BudgetedPlan):
     the benchmarks show"). ``bpo/predicted_variance_ratio`` logs what the model expects against RLOO.
     """
 
-    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:
-        super().__init__(config, n_leaves, profile, rng)
+    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random,
+                 budget: float | None = None) -> None:
+        super().__init__(config, n_leaves, profile, rng, budget)
         T = config.max_turns
         survival = profile.survival
         per_sample = profile.per_sample_cost(self.unit)
@@ -304,18 +307,30 @@ class AllocationPlan(_BudgetedPlan):
 
 
 class ExplorePlan(_BudgetedPlan):
-    """The exploration shape: max(2, N/2) root paths, each forking once into 2 at a depth drawn uniformly from
-    [1, H − 1] (a fork hazard of 1 / (H − depth) at each depth), independent of any score. H is the expected
-    episode length the profile has learned (``max_turns`` before any tree), so forks land where episodes go."""
+    """The exploration shape: R root paths, each forking once into 2 at a depth drawn uniformly from [1, H − 1] (a
+    fork hazard of 1 / (H − depth) at each depth), independent of any score. H is the expected episode length the
+    profile has learned (``max_turns`` before any tree), so forks land where episodes go.
+
+    R fills the budget on average: R = stochastic_round(B / (c + s̄)), c the expected cost of an episode and s̄ that
+    of the suffix a fork at a uniformly drawn depth adds (both from the profile), at least 2 and at most the leaf
+    cap. Under a leaf budget, and before the profile has seen a tree, R = max(2, N/2) (N leaves at most). R reads
+    the budget and the profile only, never a node, so the shape stays score-free."""
 
     explore = True
 
-    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random) -> None:
-        super().__init__(config, n_leaves, profile, rng)
-        self.root_width = min(self.cap, max(2, n_leaves // 2))
+    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random,
+                 budget: float | None = None) -> None:
+        super().__init__(config, n_leaves, profile, rng, budget)
+        self.horizon = min(config.max_turns, max(2, round(profile.episode_cost("turns"))))
+        if self.unit == "leaves" or not profile.trees:
+            root = max(2, n_leaves // 2)
+        else:
+            survival = profile.survival
+            suffix = np.mean([survival[d] * profile.cost_left(d, self.unit) for d in range(1, self.horizon)])
+            root = self.stochastic_round(self.root_budget / (profile.episode_cost(self.unit) + suffix))
+        self.root_width = min(self.cap, max(2, root))
         self.branches = self.root_width
         self.extra_leaves = (n_leaves - self.root_width) if self.unit == "leaves" else self.root_width
-        self.horizon = min(config.max_turns, max(2, round(profile.episode_cost("turns"))))
 
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         widths = []
@@ -348,15 +363,19 @@ class ForkPolicy:
     def learned(self) -> bool:
         return self.config.mode == "tree" and self.config.allocation == "learned"
 
-    def start_tree(self, n_leaves: int, seed: int = 0) -> _Plan:
-        """The plan of a tree of N = ``n_leaves``; ``seed`` drives its random choices (exploration, rounding)."""
+    def start_tree(self, n_leaves: int, seed: int = 0, budget: float | None = None) -> _Plan:
+        """The plan of a tree of N = ``n_leaves``; ``seed`` drives its random choices (exploration, rounding).
+
+        ``budget`` (learned plans): the tree's root budget in ``bpo.budget``'s unit, e.g. the tokens a baseline's
+        group spent on the same task, for a comparison at matched compute. It must not depend on this tree's own
+        samples. ``None``: N flat rollouts' worth, learned from earlier trees."""
         if not self.learned or self.config.is_flat(n_leaves):
             return FixedPlan(self.config, n_leaves, self.threshold.get(n_leaves, -math.inf))
         self.trees_started += 1  # trees that can fork: flat validation groups do not use up the warm-up
         rng = random.Random(seed)
         explore = self.trees_started <= self.config.warmup_trees or rng.random() < self.config.explore_share
         cls = ExplorePlan if explore else AllocationPlan
-        return cls(self.config, n_leaves, self.profile, rng)
+        return cls(self.config, n_leaves, self.profile, rng, budget)
 
     def finish_tree(self, plan: _Plan, record: TreeRecord | None = None) -> None:
         """Learn from a finished tree: the quantile threshold (fixed rule) or the depth profile (learned)."""

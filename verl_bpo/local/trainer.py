@@ -85,6 +85,7 @@ class StepStats:
     generated_tokens: float
     trainer_rows: float
     zero_advantage_share: float
+    tree_tokens: list[float] = dataclasses.field(default_factory=list)  # generated tokens of each task's tree
 
 
 class LocalRL:
@@ -107,8 +108,9 @@ class LocalRL:
 
     # --- rollout ------------------------------------------------------------------------------------------------
     def rollout(self, tasks: Sequence[Mapping[str, Any]], n_leaves: int | None = None,
-                estimator: str | None = None) -> list[TreeResult]:
-        """One tree (or flat group) per task, all grown concurrently so their turns batch together."""
+                estimator: str | None = None, budgets: Sequence[float] | None = None) -> list[TreeResult]:
+        """One tree (or flat group) per task, all grown concurrently so their turns batch together. ``budgets``:
+        each task's tree budget under a learned allocation (``None``: learned from earlier trees)."""
         n = n_leaves or self.config.n_leaves
         estimator = estimator or self.config.estimator
         config = self.bpo.for_estimator(estimator)
@@ -119,7 +121,8 @@ class LocalRL:
                 TreeSampler(config, n, self.config.response_length,
                             lambda: make_sandbox(self.sandbox, self.sandbox_config), task, self.client, self.codec,
                             tree_id=f"s{self.seed}-u{self.updates}-t{i}", policy=policy,
-                            seed=hash((self.seed, self.updates, i)) % 2**31)
+                            seed=hash((self.seed, self.updates, i)) % 2**31,
+                            budget=None if budgets is None else budgets[i])
                 for i, task in enumerate(tasks)
             ]
             return list(await asyncio.gather(*(s.run() for s in samplers)))
@@ -200,11 +203,11 @@ class LocalRL:
         return np.concatenate([p.grad.detach().reshape(-1).numpy() for p in self.model.parameters()
                                if p.grad is not None])
 
-    def step(self, tasks: Sequence[Mapping[str, Any]]) -> StepStats:
-        """One policy update on one batch of tasks."""
+    def step(self, tasks: Sequence[Mapping[str, Any]], budgets: Sequence[float] | None = None) -> StepStats:
+        """One policy update on one batch of tasks (``budgets``: see :meth:`rollout`)."""
         import torch
 
-        results = self.rollout(tasks)
+        results = self.rollout(tasks, budgets=budgets)
         norm, batch = self.gradient(results)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
@@ -222,4 +225,5 @@ class LocalRL:
             generated_tokens=mean("bpo/generated_tokens"),
             trainer_rows=mean("bpo/trainer_rows"),
             zero_advantage_share=float(zero.float().mean()),
+            tree_tokens=[float(r.metrics["bpo/generated_tokens"]) for r in results],
         )

@@ -76,6 +76,8 @@ class TreeSampler:
         sampling_params: passed to every generation (``max_tokens`` is set per turn).
         policy: the worker's :class:`ForkPolicy` (learns across trees); a fresh one when omitted.
         seed: seeds the sandboxes' re-seeding at forks.
+        budget: the tree's root budget under a learned allocation (:meth:`ForkPolicy.start_tree`); ``None``: N flat
+            rollouts' worth, learned from earlier trees.
     """
 
     RESET_ATTEMPTS = 2  # a reset that fails twice on fresh sandboxes is not transient: the tree becomes failed leaves
@@ -83,7 +85,7 @@ class TreeSampler:
     def __init__(self, config: BPOConfig, n_leaves: int, response_length: int, make_sandbox: Callable[[], Sandbox],
                  task: Mapping[str, Any], llm: LLMClient, codec: ChatCodec, *, tree_id: str,
                  sampling_params: Mapping[str, Any] | None = None, policy: ForkPolicy | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, budget: float | None = None) -> None:
         self.config = config
         self.n_leaves = n_leaves
         self.response_length = response_length
@@ -97,10 +99,12 @@ class TreeSampler:
         self.scorer = ForkScorer(config, llm, self.request_id, self.sampling_params, self.tree)
         self.calls = SandboxCalls(config.step_timeout_s)
         self.rng = random.Random(seed)
+        self.budget = budget
 
     # --- the tree, top to bottom --------------------------------------------------------------------------------
     async def run(self) -> TreeResult:
-        self.plan = plan = self.policy.start_tree(self.n_leaves, seed=self.rng.randrange(2**31))
+        self.plan = plan = self.policy.start_tree(self.n_leaves, seed=self.rng.randrange(2**31),
+                                                         budget=self.budget)
         start = time.perf_counter()
         try:
             started = await self._start_episode()
