@@ -11,10 +11,11 @@ per task; BPO grows one tree per task with ``bpo.allocation=learned`` and ``bpo.
 generated on the same task at the same update of the same seed (GRPO trains first), so BPO and GRPO are matched in
 generated tokens per update throughout training, not only at the warm start; ``--match rloo`` pairs with RLOO
 instead, and ``--match own`` gives each tree what N flat rollouts of BPO's own policy would generate, learned from
-its earlier trees (the tokens then follow each estimator's policy and are matched at the warm start only). Every update has the
-same tasks, learning rate and one AdamW step (``eps`` 1e-5, ``--adam-eps``: with torch's 1e-8 single updates break
-the warm start's format for every estimator, ``benchmarks/first_updates.py``). Generated tokens, environment steps
-and trainer rows per update are reported for each estimator.
+its earlier trees (the tokens then follow each estimator's policy and are matched at the warm start only). Every
+update has the same tasks, learning rate (the task's, or ``--lr``) and one AdamW step (``eps`` 1e-5,
+``--adam-eps``: with torch's 1e-8 single updates break the warm start's format for every estimator,
+``benchmarks/first_updates.py``). Generated tokens, environment steps and trainer rows per update are reported for
+each estimator.
 
 Measured, per task, seed and estimator:
 
@@ -40,8 +41,9 @@ Measured, per task, seed and estimator:
 Last line: one JSON object with, per task prefix ``late_`` and ``early_``: ``updates_to_target_bpo_over_grpo``,
 ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``,
 ``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``), ``grad_var_bpo_over_rloo``, their ``ci95``, and
-tokens, env steps, trainer rows and pre-clip gradient norm per update per estimator. Targets (the paper's, on the late task): updates
-<= 0.62, success >= +0.036, gradient variance <= 0.5; on the early task: success vs RLOO >= -0.02 (a tie).
+tokens, env steps, trainer rows and pre-clip gradient norm per update per estimator. Targets (the paper's, on the
+late task): updates <= 0.62, success >= +0.036, gradient variance <= 0.5; on the early task: success vs RLOO
+>= -0.02 (a tie).
 """
 
 from __future__ import annotations
@@ -87,14 +89,14 @@ def update_batch(order: list[dict[str, int]], update: int) -> list[dict[str, int
 
 
 def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,
-            adam_eps: float = ADAM_EPS) -> LocalRL:
+            adam_eps: float = ADAM_EPS, lr: float | None = None) -> LocalRL:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LocalRLConfig(estimator=estimator, n_leaves=N_LEAVES, batch_size=BATCH, lr=task.lr, adam_eps=adam_eps,
-                           response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, tree))
+    config = LocalRLConfig(estimator=estimator, n_leaves=N_LEAVES, batch_size=BATCH, lr=lr or task.lr,
+                           adam_eps=adam_eps, response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, tree))
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
 
@@ -104,7 +106,7 @@ def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: 
     """One training run; ``budgets[u]``: the token budget of each task's tree at update ``u`` (BPO at matched
     tokens), ``None``: learned from the run's own earlier trees."""
     rl = trainer(model_dir, task, estimator, seed, tree_settings(args.max_leaves, args.bpo_warmup_trees),
-                 args.adam_eps)
+                 args.adam_eps, args.lr)
     order = task_order(task, seed)
     evals = task.tasks(task.eval_ids)
     curve, steps = [(0, rl.evaluate(evals, args.eval_episodes))], []
@@ -140,6 +142,14 @@ def trace_cov(gram: np.ndarray, idx: np.ndarray | None = None) -> float:
     sub = gram[np.ix_(idx, idx)]
     n = len(idx)
     return (float(np.trace(sub)) - float(sub.sum()) / n) / (n - 1)
+
+
+def signal_to_noise(gram: np.ndarray) -> float:
+    """‖E ĝ‖² / tr Cov(ĝ) of one batch gradient, from the draws' Gram matrix (‖E ĝ‖² estimated without bias by the
+    mean inner product of distinct draws): below 1, a batch's noise outweighs its signal."""
+    n = len(gram)
+    mean_sq = (float(gram.sum()) - float(np.trace(gram))) / (n * (n - 1))
+    return mean_sq / trace_cov(gram)
 
 
 def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> list[float]:
@@ -217,6 +227,7 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
         "grad_norm_per_update": {e: round(float(np.mean([s["grad_norm"] for r in runs[e] for s in r["steps"]])), 4)
                                  for e in ESTIMATORS},
         "grad_tokens_per_batch": {"bpo": round(tok_b, 1), "rloo": round(tok_r, 1)},
+        "grad_signal_to_noise": {"bpo": round(signal_to_noise(gram_b), 4), "rloo": round(signal_to_noise(gram_r), 4)},
     }
     return out
 
@@ -257,9 +268,11 @@ def main() -> None:
     parser.add_argument("--grad-warmup", type=int, default=4, help="BPO batches that teach its profile first")
     parser.add_argument("--max-leaves", type=int, default=MAX_LEAVES, help="bpo.max_leaves of the BPO trees")
     parser.add_argument("--bpo-warmup-trees", type=int, default=BPO_WARMUP_TREES,
-                        help="bpo.warmup_trees: BPO's first trees of exploration shape (a root of N/2)")
+                        help="bpo.warmup_trees: BPO's first trees of exploration shape (score-free)")
     parser.add_argument("--adam-eps", type=float, default=ADAM_EPS,
                         help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="AdamW learning rate of every estimator (default: the task's, verl_bpo.demo.tasks)")
     parser.add_argument("--match", choices=(*BASELINES, "own"), default="grpo",
                         help="whose generated tokens per task and update BPO's tree budget is (module docstring)")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -292,7 +305,8 @@ def main() -> None:
         result.update({f"{name}_{k}": v for k, v in summary.items()})
         plot(task, runs, out / f"learning_{name}.png")
         (out / f"runs_{name}.json").write_text(json.dumps(runs))
-    result.update({"seeds": args.seeds, "updates": args.updates, "lr": {t: TASKS[t].lr for t in args.tasks},
+    result.update({"seeds": args.seeds, "updates": args.updates,
+                   "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},
                    "n_leaves": N_LEAVES, "batch": BATCH, "max_leaves": args.max_leaves,
                    "bpo_warmup_trees": args.bpo_warmup_trees, "adam_eps": args.adam_eps, "match": args.match,
                    "wall_s": round(time.monotonic() - start)})

@@ -141,7 +141,8 @@ def test_adam_eps_reaches_the_optimizer(model_dir):
     assert make_trainer(model_dir, adam_eps=1e-5).optimizer.param_groups[0]["eps"] == 1e-5
 
 
-def test_learning_benchmark_counts_tokens_to_target_and_success_at_matched_tokens():
+def learning_benchmark():
+    """``benchmarks/learning.py`` as a module (benchmarks are scripts, not a package)."""
     import importlib.util
     from pathlib import Path
 
@@ -149,6 +150,11 @@ def test_learning_benchmark_counts_tokens_to_target_and_success_at_matched_token
     spec = importlib.util.spec_from_file_location("learning_benchmark", path)
     learning = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(learning)
+    return learning
+
+
+def test_learning_benchmark_counts_tokens_to_target_and_success_at_matched_tokens():
+    learning = learning_benchmark()
     run = {"steps": [{"generated_tokens": 10.0}, {"generated_tokens": 30.0}]}  # per tree: × BATCH per update
     assert learning.tokens_until(run, 1) == 10.0 * learning.BATCH
     assert learning.tokens_until(run, 2) == 40.0 * learning.BATCH
@@ -166,3 +172,14 @@ def test_a_step_gives_each_tasks_tree_the_budget_it_is_handed(model_dir):
     assert [r.metrics["bpo/budget"] for r in results] == [20.0, 45.0]
     stats = trainer.step([{"task_id": 0}, {"task_id": 1}], budgets=[30.0, 30.0])
     assert len(stats.tree_tokens) == 2 and np.mean(stats.tree_tokens) == pytest.approx(stats.generated_tokens)
+
+
+def test_learning_benchmark_signal_to_noise_from_gram_matrices():
+    learning = learning_benchmark()
+    rng = np.random.default_rng(0)
+    mean = np.zeros(50)
+    mean[0] = 3.0  # ‖E ĝ‖² = 9 against tr Cov = 50 · 0.25 = 12.5
+    draws = mean + 0.5 * rng.standard_normal((4000, 50))
+    assert learning.signal_to_noise(draws @ draws.T) == pytest.approx(9 / 12.5, rel=0.05)
+    noise = 0.5 * rng.standard_normal((4000, 50))
+    assert abs(learning.signal_to_noise(noise @ noise.T)) < 0.01

@@ -63,7 +63,8 @@ class BPOConfig:
             by ``selector`` on ``score``, exactly N leaves. ``learned``: every width (the root's included, up to all
             of the budget, where the tree becomes RLOO) follows a profile of where return variance is injected,
             learned from earlier finished trees (``verl_bpo.core.profile``); the first ``warmup_trees`` trees and an
-            ``explore_share`` of later ones take a fixed, score-independent exploration shape.
+            ``explore_share`` of later ones take a fixed, score-independent exploration shape (root paths that fill
+            the budget on average, each forking once into 2 at a uniformly drawn depth).
         budget: what a ``learned`` tree may spend. ``turns`` (the default under ``learned``): the generated turns
             N flat rollouts of this task would take (estimated from earlier trees); ``tokens``: their generated
             tokens; ``leaves``: at most N leaves (what a path that ends early leaves unspent goes to the branches still
