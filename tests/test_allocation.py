@@ -154,3 +154,26 @@ def test_an_explicit_budget_replaces_the_learned_one_and_sizes_the_shape():
     assert small.shape.cost <= small.root_budget * (1 + 1e-9) < large.shape.cost <= large.root_budget * (1 + 1e-9)
     explore = ForkPolicy(learned(warmup_trees=5)).start_tree(N, seed=0, budget=77.0)
     assert isinstance(explore, ExplorePlan) and explore.root_budget == 77.0
+
+
+def test_turn_costs_follow_the_policy_within_the_cost_window_and_the_variogram_keeps_its_memory():
+    """A policy whose turns grew from 2 to 6 tokens: after a few cost windows the profile plans on 6, so a token
+    budget is kept; the variogram still remembers the trees before."""
+    def record(tokens: float, returns: tuple[float, float]) -> TreeRecord:
+        return TreeRecord(leaf_paths=[(0, 1, 3), (0, 2, 4)], leaf_returns=list(returns), leaf_masses=[0.5, 0.5],
+                          turn_uncertainty={}, turn_tokens={n: tokens for n in range(1, 5)}, score_free=True)
+
+    profile = DepthProfile(horizon=2, prior=0.0, window=500, cost_window=8)
+    for _ in range(200):
+        profile.update(record(2.0, (1.0, 0.0)))
+    for _ in range(40):
+        profile.update(record(6.0, (1.0, 1.0)))
+    assert profile.turn_cost("tokens") == pytest.approx([6.0, 6.0], rel=0.01)  # e^-5 of the old length is left
+    assert profile.episode_cost("tokens") == pytest.approx(12.0, rel=0.01)
+    # The variogram's window is 500 trees: the 200 trees that split outcomes (½ each) still weigh about 5 to 1.
+    assert 0.3 < profile._gamma[0] / profile._gamma_trees[0] < 0.45
+    single = DepthProfile(horizon=2, prior=0.0, window=500)  # one window for both: the length lags
+    for tokens, n in ((2.0, 200), (6.0, 40)):
+        for _ in range(n):
+            single.update(record(tokens, (1.0, 0.0)))
+    assert single.turn_cost("tokens")[0] < 3.0

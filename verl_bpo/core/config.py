@@ -76,7 +76,12 @@ class BPOConfig:
             still notice when training moves the decisive turns. Default 0.05.
         profile_prior: κ, the share of a depth's injected variance credited one depth earlier (returns cannot tell
             where the decisive action's expected gradient changes; this is a prior). Default 0.1.
-        profile_window: trees after which an observation's weight in the profile falls to 1/e. Default 500.
+        profile_window: trees after which an observation's weight in the profile's variogram (where outcomes are
+            decided) falls to 1/e. Default 500.
+        cost_window: the same for what the profile learns of the current policy's episodes: their survival per
+            depth, turn lengths and token probabilities. Each tree measures them well, and a tree budgeted on a
+            stale length overspends (a policy whose turns grew 2x gets about 2x too many branches), so they follow
+            the policy faster than the variogram. Default 16.
         k: children per fork below the root, K. Default 2.
         k0: children of the root fork, K0; ``null`` = ``k``. ``k0 = rollout.n`` with no later fork is RLOO.
         score: fork score, higher = fork. ``parent_turn_surprisal`` (default; mean surprisal of the turn that led
@@ -122,6 +127,7 @@ class BPOConfig:
     explore_share: float = 0.05
     profile_prior: float = 0.1
     profile_window: int = 500
+    cost_window: int = 16
     k: int = 2
     k0: Optional[int] = None
     score: str = "parent_turn_surprisal"
@@ -162,8 +168,9 @@ class BPOConfig:
         for field in ("warmup_trees", "profile_prior"):
             if getattr(self, field) < 0:
                 raise ValueError(f"bpo.{field}={getattr(self, field)} must be >= 0")
-        if self.profile_window < 1:
-            raise ValueError(f"bpo.profile_window={self.profile_window} must be >= 1")
+        for field in ("profile_window", "cost_window"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"bpo.{field}={getattr(self, field)} must be >= 1")
         if self.max_leaves is not None and self.max_leaves < 2:
             raise ValueError(f"bpo.max_leaves={self.max_leaves} must be >= 2 (or null for 4 x rollout.n)")
         if self.k < 2:

@@ -355,7 +355,8 @@ class ForkPolicy:
             raise ValueError("resolve bpo.mode=auto with BPOConfig.for_estimator() before building a ForkPolicy")
         self.config = config
         self.threshold: dict[int, float] = {}  # quantile τ per leaf count N, from the last finished tree
-        self.profile = DepthProfile(config.max_turns, config.profile_prior, config.profile_window)
+        self.profile = DepthProfile(config.max_turns, config.profile_prior, config.profile_window,
+                                    config.cost_window)
         self.trees_started = 0
         self.trees_finished = 0
 

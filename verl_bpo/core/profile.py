@@ -17,7 +17,9 @@ log-probs) gives, per depth j < T:
 A share σ_j = κ · min(e_j, 1 − e_j) · D_j is credited one depth earlier (κ = ``bpo.profile_prior``): returns
 alone cannot tell where the decisive action's expected gradient changes (a task and its twin whose success
 ignores the last action give the same returns and log-probs), so κ is a stated prior, not a hidden constant. The
-profile is forgotten exponentially (``bpo.profile_window`` trees) so it follows training. Pure numpy.
+profile is forgotten exponentially so it follows training: the variogram over ``bpo.profile_window`` trees (it needs
+many), S_j, e_j and the turn costs c_j over ``bpo.cost_window`` (each tree measures them well, and a budget planned
+on stale costs is overspent or left unspent). Pure numpy.
 """
 
 from __future__ import annotations
@@ -59,14 +61,16 @@ class DepthProfile:
     Args:
         horizon: T, the most turns a path may take (``bpo.max_turns``).
         prior: κ (``bpo.profile_prior``).
-        window: trees after which an observation's weight has fallen to 1/e (``bpo.profile_window``).
+        window: trees after which a variogram observation's weight has fallen to 1/e (``bpo.profile_window``).
+        cost_window: the same for survival, uncertainty and turn costs (``bpo.cost_window``); default ``window``.
     """
 
-    def __init__(self, horizon: int, prior: float, window: int) -> None:
+    def __init__(self, horizon: int, prior: float, window: int, cost_window: int | None = None) -> None:
         self.horizon, self.prior = horizon, prior
         self.decay = math.exp(-1.0 / max(window, 1))
+        self.cost_decay = math.exp(-1.0 / max(cost_window or window, 1))
         T = horizon
-        self.trees = 0.0  # decayed count of trees (all) and of those that teach the variogram
+        self.trees = 0.0  # decayed count of trees (all, by cost_window) and of those that teach the variogram
         self.variogram_trees = 0.0
         self._alive = np.zeros(T)  # Σ over trees of Σ_ℓ w_ℓ 1[path takes turn j]
         self._uncertainty = np.zeros(T)  # ... w_ℓ e(turn j)
@@ -77,10 +81,10 @@ class DepthProfile:
 
     # --- learning -----------------------------------------------------------------------------------------------
     def update(self, record: TreeRecord) -> None:
-        d = self.decay
+        c, d = self.cost_decay, self.decay
         for array in (self._alive, self._uncertainty, self._tokens):
-            array *= d
-        self.trees = self.trees * d + 1.0
+            array *= c
+        self.trees = self.trees * c + 1.0
         for path, mass in zip(record.leaf_paths, record.leaf_masses):
             for j, node in enumerate(path[1:self.horizon + 1]):
                 self._alive[j] += mass
