@@ -32,7 +32,11 @@ Measured, per task, seed and estimator:
   generated tokens;
 * **gradient variance at matched tokens** — at the warm-start policy, ``--grad-draws`` independent batches per
   estimator (BPO after ``--grad-warmup`` batches that teach its profile): tr Cov(ĝ) × generated tokens per batch,
-  BPO over RLOO (both unbiased and on one scale).
+  BPO over RLOO (both unbiased and on one scale);
+* **what halving the variance can buy** (the tasks in ``--control``, default ``late``) — RLOO trained with 2N
+  rollouts per task: exactly half RLOO's gradient variance per update, at twice its tokens. Its updates to target
+  over RLOO's bound what any estimator with half RLOO's variance per update could save in updates on that task at
+  that learning rate: near 1, progress per update is limited by the optimizer's step, not by gradient noise.
 
 95% confidence intervals: paired bootstrap over seeds (learning), bootstrap over draws (variance).
 
@@ -41,7 +45,8 @@ Measured, per task, seed and estimator:
 Last line: one JSON object with, per task prefix ``late_`` and ``early_``: ``updates_to_target_bpo_over_grpo``,
 ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``,
 ``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``), ``grad_var_bpo_over_rloo``, their ``ci95``, and
-tokens, env steps, trainer rows and pre-clip gradient norm per update per estimator. Targets (the paper's, on the
+tokens, env steps, trainer rows and pre-clip gradient norm per update per estimator; with the control,
+``updates_to_target_rloo_2n_over_rloo`` and ``final_success_rloo_2n_minus_rloo``. Targets (the paper's, on the
 late task): updates <= 0.62, success >= +0.036, gradient variance <= 0.5; on the early task: success vs RLOO
 >= -0.02 (a tie).
 """
@@ -61,6 +66,7 @@ from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 
 ESTIMATORS = ("bpo", "grpo", "rloo")
 BASELINES = ("grpo", "rloo")
+CONTROL = "rloo_2n"  # RLOO with 2N rollouts per task: half RLOO's variance per update, twice its tokens
 N_LEAVES, BATCH, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 4, 384, 6
 ADAM_EPS = 1e-5  # torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)
 MAX_LEAVES, BPO_WARMUP_TREES = 32, 8  # the defaults of --max-leaves and --bpo-warmup-trees
@@ -89,24 +95,24 @@ def update_batch(order: list[dict[str, int]], update: int) -> list[dict[str, int
 
 
 def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,
-            adam_eps: float = ADAM_EPS, lr: float | None = None) -> LocalRL:
+            adam_eps: float = ADAM_EPS, lr: float | None = None, n_leaves: int = N_LEAVES) -> LocalRL:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LocalRLConfig(estimator=estimator, n_leaves=N_LEAVES, batch_size=BATCH, lr=lr or task.lr,
+    config = LocalRLConfig(estimator=estimator, n_leaves=n_leaves, batch_size=BATCH, lr=lr or task.lr,
                            adam_eps=adam_eps, response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, tree))
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
 
 
 def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace,
-              budgets: list[list[float]] | None = None) -> dict:
+              budgets: list[list[float]] | None = None, n_leaves: int = N_LEAVES) -> dict:
     """One training run; ``budgets[u]``: the token budget of each task's tree at update ``u`` (BPO at matched
     tokens), ``None``: learned from the run's own earlier trees."""
     rl = trainer(model_dir, task, estimator, seed, tree_settings(args.max_leaves, args.bpo_warmup_trees),
-                 args.adam_eps, args.lr)
+                 args.adam_eps, args.lr, n_leaves)
     order = task_order(task, seed)
     evals = task.tasks(task.eval_ids)
     curve, steps = [(0, rl.evaluate(evals, args.eval_episodes))], []
@@ -180,7 +186,7 @@ def success_at_tokens(run: dict, tokens: float) -> float:
 def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace) -> dict:
     censored = args.updates + args.eval_every
     reach = {e: np.array([next((u for u, s in r["curve"] if s >= task.target), censored) for r in runs[e]])
-             for e in ESTIMATORS}
+             for e in runs}
     # BPO's budgets match its paired baseline's tokens per update, not the other's (nor anyone's under --match own),
     # and a tree may leave some of its budget unspent, so the generated tokens spent to reach the target are
     # reported next to the updates.
@@ -188,7 +194,7 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
     # Success at matched generated tokens: per seed, where the run that generated least stopped.
     least = [min(tokens_until(runs[e][s], args.updates) for e in ESTIMATORS) for s in range(args.seeds)]
     matched = {e: np.array([success_at_tokens(r, t) for r, t in zip(runs[e], least)]) for e in ESTIMATORS}
-    final = {e: np.array([np.mean([s for _, s in r["curve"][-2:]]) for r in runs[e]]) for e in ESTIMATORS}
+    final = {e: np.array([np.mean([s for _, s in r["curve"][-2:]]) for r in runs[e]]) for e in runs}
     n = args.seeds
     (gram_b, tok_b), (gram_r, tok_r) = grads["bpo"], grads["rloo"]
 
@@ -216,19 +222,26 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
             "grad_var_bpo_over_rloo": bootstrap(var_ratio, args.grad_draws),
         },
         "target_success": task.target,
-        "updates_to_target": {e: reach[e].tolist() for e in ESTIMATORS},
+        "updates_to_target": {e: reach[e].tolist() for e in runs},
         "censored_at": censored,
         "tokens_to_target": {e: [round(float(v)) for v in reach_tokens[e]] for e in ESTIMATORS},
         "matched_tokens": [round(t) for t in least],
         "success_at_matched_tokens": {e: [round(float(v), 4) for v in matched[e]] for e in ESTIMATORS},
-        "final_success": {e: [round(float(v), 4) for v in final[e]] for e in ESTIMATORS},
+        "final_success": {e: [round(float(v), 4) for v in final[e]] for e in runs},
         "per_update": {e: {k: round(float(np.mean([s[k] for r in runs[e] for s in r["steps"]])) * BATCH, 1)
-                           for k in ("generated_tokens", "env_steps", "trainer_rows")} for e in ESTIMATORS},
+                           for k in ("generated_tokens", "env_steps", "trainer_rows")} for e in runs},
         "grad_norm_per_update": {e: round(float(np.mean([s["grad_norm"] for r in runs[e] for s in r["steps"]])), 4)
-                                 for e in ESTIMATORS},
+                                 for e in runs},
         "grad_tokens_per_batch": {"bpo": round(tok_b, 1), "rloo": round(tok_r, 1)},
         "grad_signal_to_noise": {"bpo": round(signal_to_noise(gram_b), 4), "rloo": round(signal_to_noise(gram_r), 4)},
     }
+    if CONTROL in runs:
+        out["updates_to_target_rloo_2n_over_rloo"] = round(float(reach[CONTROL].mean() / reach["rloo"].mean()), 4)
+        out["final_success_rloo_2n_minus_rloo"] = round(float(final[CONTROL].mean() - final["rloo"].mean()), 4)
+        out["ci95"]["updates_to_target_rloo_2n_over_rloo"] = bootstrap(
+            lambda i: reach[CONTROL][i].mean() / reach["rloo"][i].mean(), n)
+        out["ci95"]["final_success_rloo_2n_minus_rloo"] = bootstrap(
+            lambda i: final[CONTROL][i].mean() - final["rloo"][i].mean(), n)
     return out
 
 
@@ -239,7 +252,7 @@ def plot(task: DemoTask, runs: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for estimator in ESTIMATORS:
+    for estimator in runs:
         curves = np.array([[s for _, s in r["curve"]] for r in runs[estimator]])
         x = np.array([u for u, _ in runs[estimator][0]["curve"]])
         tokens = np.mean([s["generated_tokens"] for r in runs[estimator] for s in r["steps"]]) * BATCH
@@ -256,6 +269,11 @@ def plot(task: DemoTask, runs: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def report(label: str, run: dict, t0: float) -> None:
+    print(f"{label}: success " + " ".join(f"{s:.2f}" for _, s in run["curve"]) + f"  ({time.monotonic() - t0:.0f} s)",
+          flush=True)
 
 
 def main() -> None:
@@ -276,6 +294,8 @@ def main() -> None:
     parser.add_argument("--match", choices=(*BASELINES, "own"), default="grpo",
                         help="whose generated tokens per task and update BPO's tree budget is (module docstring)")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--control", nargs="*", default=["late"], choices=list(TASKS),
+                        help="tasks that also train RLOO with 2N rollouts per task (what halving the variance buys)")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
     out = args.out.resolve()
@@ -297,10 +317,13 @@ def main() -> None:
                 budgets = None
                 if estimator == "bpo" and args.match != "own":
                     budgets = [s["tree_tokens"] for s in runs[args.match][seed]["steps"]]
-                run = train_one(model_dir, task, estimator, seed, args, budgets)
-                runs[estimator].append(run)
-                print(f"{name} seed {seed} {estimator:4s}: success " + " ".join(f"{s:.2f}" for _, s in run["curve"])
-                      + f"  ({time.monotonic() - t0:.0f} s)", flush=True)
+                runs[estimator].append(train_one(model_dir, task, estimator, seed, args, budgets))
+                report(f"{name} seed {seed} {estimator:4s}", runs[estimator][-1], t0)
+            if name in args.control:
+                t0 = time.monotonic()
+                runs.setdefault(CONTROL, []).append(train_one(model_dir, task, "rloo", seed, args,
+                                                              n_leaves=2 * N_LEAVES))
+                report(f"{name} seed {seed} {CONTROL}", runs[CONTROL][-1], t0)
         summary = summarize(task, runs, grads, args)
         result.update({f"{name}_{k}": v for k, v in summary.items()})
         plot(task, runs, out / f"learning_{name}.png")
@@ -309,6 +332,7 @@ def main() -> None:
                    "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},
                    "n_leaves": N_LEAVES, "batch": BATCH, "max_leaves": args.max_leaves,
                    "bpo_warmup_trees": args.bpo_warmup_trees, "adam_eps": args.adam_eps, "match": args.match,
+                   "control": [t for t in args.tasks if t in args.control],
                    "wall_s": round(time.monotonic() - start)})
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out}/learning_*.png and learning.json")
