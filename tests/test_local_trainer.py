@@ -183,3 +183,30 @@ def test_learning_benchmark_signal_to_noise_from_gram_matrices():
     assert learning.signal_to_noise(draws @ draws.T) == pytest.approx(9 / 12.5, rel=0.05)
     noise = 0.5 * rng.standard_normal((4000, 50))
     assert abs(learning.signal_to_noise(noise @ noise.T)) < 0.01
+
+
+def test_learning_benchmark_summary_reports_the_double_batch_control_apart_from_matched_tokens():
+    """RLOO with 2N rollouts is a control (what halving the variance buys in updates): it gets its own ratio to RLOO
+    and never sets the matched-token point, which spends twice its tokens."""
+    import argparse
+
+    from verl_bpo.demo.tasks import TASKS
+
+    learning = learning_benchmark()
+    task = TASKS["late"]
+
+    def run(tokens: float, curve: list[float]) -> dict:
+        steps = [{"generated_tokens": tokens, "env_steps": 1.0, "trainer_rows": 8.0, "grad_norm": 0.01}] * 4
+        return {"steps": steps, "curve": list(zip(range(0, 5, 2), curve))}
+
+    runs = {"grpo": [run(100, [0.3, 0.5, 0.8])] * 2, "rloo": [run(100, [0.3, 0.5, 0.8])] * 2,
+            "bpo": [run(90, [0.3, 0.8, 0.9])] * 2, learning.CONTROL: [run(200, [0.3, 0.8, 0.9])] * 2}
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((6, 20))
+    args = argparse.Namespace(updates=4, eval_every=2, seeds=2, grad_draws=6)
+    out = learning.summarize(task, runs, {"bpo": (g @ g.T, 1.0), "rloo": (g @ g.T, 1.0)}, args)
+    assert out["updates_to_target"][learning.CONTROL] == [2, 2] and out["updates_to_target"]["rloo"] == [4, 4]
+    assert out["updates_to_target_rloo_2n_over_rloo"] == 0.5
+    assert out["final_success_rloo_2n_minus_rloo"] == pytest.approx(0.2)
+    assert out["matched_tokens"] == [90 * 4 * learning.BATCH] * 2  # BPO's, not the control's or the baselines'
+    assert learning.CONTROL not in out["success_at_matched_tokens"]
