@@ -201,26 +201,29 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
     def var_ratio(i: np.ndarray) -> float:
         return trace_cov(gram_b, i) * tok_b / (trace_cov(gram_r, i) * tok_r)
 
+    def over(stat: dict, a: str, b: str):
+        return lambda i: stat[a][i].mean() / stat[b][i].mean()
+
+    def minus(stat: dict, a: str, b: str):
+        return lambda i: stat[a][i].mean() - stat[b][i].mean()
+
+    # Statistics of the seeds ``i``: one formula gives each key its point estimate (all seeds) and paired CI.
+    paired = {
+        "updates_to_target_bpo_over_grpo": over(reach, "bpo", "grpo"),
+        "tokens_to_target_bpo_over_grpo": over(reach_tokens, "bpo", "grpo"),
+        "final_success_bpo_minus_grpo": minus(final, "bpo", "grpo"),
+        "final_success_bpo_minus_rloo": minus(final, "bpo", "rloo"),
+        "success_at_matched_tokens_bpo_minus_grpo": minus(matched, "bpo", "grpo"),
+        "success_at_matched_tokens_bpo_minus_rloo": minus(matched, "bpo", "rloo"),
+    }
+    if CONTROL in runs:
+        paired["updates_to_target_rloo_2n_over_rloo"] = over(reach, CONTROL, "rloo")
+        paired["final_success_rloo_2n_minus_rloo"] = minus(final, CONTROL, "rloo")
     out = {
-        "updates_to_target_bpo_over_grpo": round(float(reach["bpo"].mean() / reach["grpo"].mean()), 4),
-        "tokens_to_target_bpo_over_grpo": round(float(reach_tokens["bpo"].mean() / reach_tokens["grpo"].mean()), 4),
-        "final_success_bpo_minus_grpo": round(float(final["bpo"].mean() - final["grpo"].mean()), 4),
-        "final_success_bpo_minus_rloo": round(float(final["bpo"].mean() - final["rloo"].mean()), 4),
-        "success_at_matched_tokens_bpo_minus_grpo": round(float(matched["bpo"].mean() - matched["grpo"].mean()), 4),
-        "success_at_matched_tokens_bpo_minus_rloo": round(float(matched["bpo"].mean() - matched["rloo"].mean()), 4),
+        **{k: round(float(stat(np.arange(n))), 4) for k, stat in paired.items()},
         "grad_var_bpo_over_rloo": round(var_ratio(np.arange(args.grad_draws)), 4),
-        "ci95": {
-            "updates_to_target_bpo_over_grpo": bootstrap(lambda i: reach["bpo"][i].mean() / reach["grpo"][i].mean(), n),
-            "tokens_to_target_bpo_over_grpo": bootstrap(
-                lambda i: reach_tokens["bpo"][i].mean() / reach_tokens["grpo"][i].mean(), n),
-            "final_success_bpo_minus_grpo": bootstrap(lambda i: final["bpo"][i].mean() - final["grpo"][i].mean(), n),
-            "final_success_bpo_minus_rloo": bootstrap(lambda i: final["bpo"][i].mean() - final["rloo"][i].mean(), n),
-            "success_at_matched_tokens_bpo_minus_grpo": bootstrap(
-                lambda i: matched["bpo"][i].mean() - matched["grpo"][i].mean(), n),
-            "success_at_matched_tokens_bpo_minus_rloo": bootstrap(
-                lambda i: matched["bpo"][i].mean() - matched["rloo"][i].mean(), n),
-            "grad_var_bpo_over_rloo": bootstrap(var_ratio, args.grad_draws),
-        },
+        "ci95": {**{k: bootstrap(stat, n) for k, stat in paired.items()},
+                 "grad_var_bpo_over_rloo": bootstrap(var_ratio, args.grad_draws)},
         "target_success": task.target,
         "updates_to_target": {e: reach[e].tolist() for e in runs},
         "censored_at": censored,
@@ -235,13 +238,6 @@ def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace)
         "grad_tokens_per_batch": {"bpo": round(tok_b, 1), "rloo": round(tok_r, 1)},
         "grad_signal_to_noise": {"bpo": round(signal_to_noise(gram_b), 4), "rloo": round(signal_to_noise(gram_r), 4)},
     }
-    if CONTROL in runs:
-        out["updates_to_target_rloo_2n_over_rloo"] = round(float(reach[CONTROL].mean() / reach["rloo"].mean()), 4)
-        out["final_success_rloo_2n_minus_rloo"] = round(float(final[CONTROL].mean() - final["rloo"].mean()), 4)
-        out["ci95"]["updates_to_target_rloo_2n_over_rloo"] = bootstrap(
-            lambda i: reach[CONTROL][i].mean() / reach["rloo"][i].mean(), n)
-        out["ci95"]["final_success_rloo_2n_minus_rloo"] = bootstrap(
-            lambda i: final[CONTROL][i].mean() - final["rloo"][i].mean(), n)
     return out
 
 
