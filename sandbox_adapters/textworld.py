@@ -232,6 +232,10 @@ class TextWorldSandbox(Sandbox):
 
     # Concurrent resets on different instances corrupt TextWorld's shared grammar parser (seen in threads).
     thread_safe: ClassVar[bool] = False
+    # So the tree sampler runs these sandboxes in engine processes of their own (verl_bpo.rollout.engine_pool):
+    # concurrent trees step in parallel. This needs an un-reset sandbox to pickle (it holds only its config) and
+    # the chat rendering to depend on the config and the observation alone.
+    engine_process: ClassVar[bool] = True
     name: ClassVar[str] = "textworld"
     deterministic: ClassVar[bool] = True
 
