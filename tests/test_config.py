@@ -39,6 +39,10 @@ def data_overrides(path) -> list[str]:
     return [f"data.train_files={path}", f"data.val_files={path}"]
 
 
+# BPO trains with one mini-batch per step (settings._check_minibatches); verl's default is 4 (1024 / 256).
+ONE_MINIBATCH = "actor_rollout_ref.actor.ppo_mini_batch_size=${data.train_batch_size}"
+
+
 @pytest.fixture()
 def compose_bpo(data):
     """``bpo_trainer`` (what ``python -m verl_bpo.main`` composes) with the given overrides."""
@@ -46,7 +50,8 @@ def compose_bpo(data):
     def _compose(*overrides: str):
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
             return compose(config_name="bpo_trainer",
-                           overrides=["actor_rollout_ref.rollout.name=vllm", *data_overrides(data), *overrides])
+                           overrides=["actor_rollout_ref.rollout.name=vllm", ONE_MINIBATCH, *data_overrides(data),
+                                      *overrides])
 
     return _compose
 
@@ -218,7 +223,7 @@ def test_bpo_defaults_replace_verls_defaults_only(data):
 
 def test_stock_cli_config_is_wired_for_bpo(monkeypatch, data):
     cfg = compose_stock("algorithm.adv_estimator=bpo", "actor_rollout_ref.rollout.n=4", "+bpo.k=2",
-                        "data.max_response_length=96", *data_overrides(data))
+                        "data.max_response_length=96", ONE_MINIBATCH, *data_overrides(data))
     stock_launch.StockLaunch().on_run_start(cfg)
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     assert cfg.trainer.v1.trainer_mode == "bpo"
@@ -289,7 +294,8 @@ def write_yaml(folder: Path, sandbox: str = "smoke", timeout: float = 60) -> Pat
 
 
 def test_stock_yaml_config_is_wired_for_bpo(tmp_path, data):
-    cfg = compose_stock(*data_overrides(data), config_dir=str(write_yaml(tmp_path)), config_name="my_bpo")
+    cfg = compose_stock(ONE_MINIBATCH, *data_overrides(data), config_dir=str(write_yaml(tmp_path)),
+                        config_name="my_bpo")
     assert cfg.algorithm.adv_estimator == "bpo"
     stock_launch.StockLaunch().on_run_start(cfg)
     assert cfg.trainer.v1.trainer_mode == "bpo" and cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "bpo_tree"
@@ -338,3 +344,197 @@ def test_bad_settings_fail_within_seconds_before_ray_as_real_commands(tmp_path, 
     assert "verl-bpo:" in out.stderr  # our message, not a traceback from deep inside a worker
     assert "ray init" not in (out.stdout + out.stderr).lower()  # run_ppo prints "ray init kwargs" first
     assert seconds < 90, f"took {seconds:.0f} s"
+
+
+# --- rows, worker-side settings, mini-batches, KL control, runtimes: refused before Ray --------------------------
+
+
+def rows_file(path: Path, *edits, sandbox: str = "smoke", config: dict | None = None,
+              tasks: list | None = None) -> Path:
+    """Rows as verl_bpo.data writes them (placeholder prompts), then each ``edit(extra_info)`` applied to row i."""
+    tasks = tasks if tasks is not None else [{"task_id": 0}, {"task_id": 1}]
+    rows = sandbox_rows(sandbox, tasks, {"length": 3} if config is None else config, render=False)
+    for row, edit in zip(rows, edits):
+        edit(row["extra_info"])
+    return write_sandbox_dataset(path, rows)
+
+
+def keep(extra):
+    pass
+
+
+def no_sandbox(extra):
+    del extra["sandbox"]
+
+
+def no_task(extra):
+    del extra["task"]
+
+
+def task(value):
+    def edit(extra):
+        extra["task"] = value if isinstance(value, str) else json.dumps(value)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edits,extra,message",
+    [
+        ([keep, no_sandbox], [],
+         r"data\.(train|val)_files=.*rows\.parquet: row 1 has no extra_info\.sandbox, so the bpo_tree agent loop "
+         r"would run it in bpo\.sandbox, left at its default \('smoke' with no config\).*verl_bpo\.data.*"
+         r"set bpo\.sandbox\.name"),
+        ([no_task], [], r"rows\.parquet: row 0 has no extra_info\.task \(or an empty one\).*verl_bpo\.data"),
+        ([keep, task({})], [], r"row 1 has no extra_info\.task \(or an empty one\)"),
+        ([keep, task("{not json")], [], r"row 1: extra_info\.task is not JSON"),
+        ([keep, task({"id": 1})], [],
+         r"row 1: extra_info\.task does not fit sandbox 'smoke' \(its extra_info\.sandbox\): sandbox 'smoke' needs "
+         r"a task with \['task_id'\], got keys \['id'\]"),
+        ([keep, task({"task_id": "one"})], [], r"row 1: .*task_id='one' is not an integer"),
+        ([keep, task({"task_id": 8})], [], r"row 1: .*task_id=8 is outside \[0, 8\)"),
+        ([keep, task([1, 2])], [], r"row 1: .*the task must be a non-empty mapping"),
+        # bpo.sandbox set explicitly: the fallback is taken, and the row's task must fit that sandbox
+        ([keep, no_sandbox], ["bpo.sandbox.name=signpost", "+bpo.sandbox.config.num_tasks=1"],
+         r"row 1: extra_info\.task does not fit sandbox 'signpost' \(bpo\.sandbox\): .*task_id=1 is outside "
+         r"\[0, 1\)"),
+        ([no_sandbox, no_sandbox], ["bpo.sandbox.name=webshop"],
+         r"row 0: extra_info\.task does not fit sandbox 'webshop' \(bpo\.sandbox\): .*\['goal_index'\]"),
+    ],
+)
+def test_rows_the_tree_loop_cannot_run_are_refused(compose_bpo, tmp_path, edits, extra, message):
+    rows = rows_file(tmp_path / "rows.parquet", *edits)
+    cfg = compose_bpo("actor_rollout_ref.rollout.n=4", *data_overrides(rows), *extra)
+    with pytest.raises(ValueError, match=message):
+        prepare_config(cfg)
+
+
+def test_rows_without_a_sandbox_run_in_an_explicit_bpo_sandbox_that_takes_their_tasks(compose_bpo, tmp_path):
+    rows = rows_file(tmp_path / "rows.parquet", no_sandbox, no_sandbox)
+    cfg = compose_bpo("actor_rollout_ref.rollout.n=4", *data_overrides(rows), "bpo.sandbox.name=signpost")
+    assert prepare_config(cfg).sandbox.name == "signpost"
+    # a config of the default sandbox is a choice too
+    cfg = compose_bpo("actor_rollout_ref.rollout.n=4", *data_overrides(rows), "+bpo.sandbox.config.length=3")
+    assert prepare_config(cfg).sandbox.config == {"length": 3}
+
+
+def test_rows_of_other_agent_loops_keep_their_own_sandbox_and_task(compose_bpo, tmp_path):
+    """A grpo run through another agent loop reads neither extra_info.sandbox nor extra_info.task."""
+    rows = rows_file(tmp_path / "rows.parquet", lambda e: (no_sandbox(e), no_task(e)), no_sandbox)
+    table = pd_read(rows)
+    table["agent_name"] = "single_turn_agent"
+    table.to_parquet(rows)
+    prepare_config(compose_bpo("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+                               *data_overrides(rows)))
+    rows = rows_file(tmp_path / "default.parquet", no_sandbox, no_task)
+    table = pd_read(rows).drop(columns=["agent_name"])
+    table.to_parquet(rows)
+    prepare_config(compose_bpo("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+                               "actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent",
+                               *data_overrides(rows)))
+    with pytest.raises(ValueError, match=r"row 0 has no extra_info\.sandbox"):  # the tree loop runs them
+        prepare_config(compose_bpo("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+                                   *data_overrides(rows)))
+
+
+def pd_read(path):
+    import pandas as pd
+
+    return pd.read_parquet(path)
+
+
+MORE_BAD_SETTINGS = [
+    (["bpo.score=next_token_entropy"],
+     r"bpo\.score=next_token_entropy needs .* verl's vLLM/SGLang servers .*bpo\.score=parent_turn_surprisal"),
+    (["algorithm.adv_estimator=grpo", "bpo.score=next_token_entropy"], r"bpo\.score=next_token_entropy"),
+    (["algorithm.gamma=0"], r"algorithm\.gamma=0 .*set it in \(0, 1\]"),
+    (["algorithm.gamma=1.5"], r"algorithm\.gamma=1\.5"),
+    (["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive"],
+     r"algorithm\.kl_ctrl\.type=adaptive with algorithm\.use_kl_in_reward=True .*set algorithm\.kl_ctrl\.type=fixed"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=256"],
+     r"actor_rollout_ref\.actor\.ppo_mini_batch_size=256 with data\.train_batch_size=1024: BPO needs one optimizer "
+     r"step per batch .*set actor_rollout_ref\.actor\.ppo_mini_batch_size=1024"),
+    (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+      "actor_rollout_ref.actor.shuffle=True"], r"ppo_mini_batch_size=4 with data\.train_batch_size=8"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", MORE_BAD_SETTINGS)
+def test_settings_the_workers_or_the_trainer_would_refuse_late_fail_now(compose_bpo, overrides, message):
+    cfg = compose_bpo("actor_rollout_ref.rollout.n=4", *overrides)
+    with pytest.raises(ValueError, match=message):
+        prepare_config(cfg)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=fixed"],
+    ["algorithm.use_kl_in_reward=False", "algorithm.kl_ctrl.type=adaptive"],  # no controller is built
+    ["actor_rollout_ref.actor.shuffle=True", "actor_rollout_ref.actor.ppo_epochs=2"],  # one mini-batch: harmless
+    ["trainer.balance_batch=True"],  # v1 ignores it (and balances anyway): harmless with one mini-batch
+    ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+     "algorithm.kl_ctrl.type=adaptive", "algorithm.use_kl_in_reward=True"],  # flat groups: verl's own rules
+])
+def test_safe_settings_pass(compose_bpo, overrides):
+    prepare_config(compose_bpo("actor_rollout_ref.rollout.n=4", *overrides))
+
+
+def swe_rows(path: Path, config: dict) -> Path:
+    return rows_file(path, sandbox="swebench", config=config, tasks=[{"instance_id": "x__y-1"}])
+
+
+def test_a_missing_sandbox_runtime_is_refused_naming_this_node(compose_bpo, tmp_path, monkeypatch):
+    import socket
+
+    from sandbox_adapters.swebench import confine
+
+    monkeypatch.setattr(confine, "bwrap_path", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rows = swe_rows(tmp_path / "swe.parquet", {})
+    base = ["actor_rollout_ref.rollout.n=4", "bpo.step_timeout_s=1000", *data_overrides(rows)]
+    with pytest.raises(ValueError, match=rf"extra_info\.sandbox of row 0 of .*swe\.parquet: sandbox 'swebench' "
+                                         rf"cannot run on node '{re.escape(socket.gethostname())}': backend=local "
+                                         r"needs bubblewrap \(`bwrap`; .*apt-get install bubblewrap\)"):
+        prepare_config(compose_bpo(*base))
+    # several nodes, or a Ray cluster of its own: the workers run elsewhere and check at their start
+    prepare_config(compose_bpo(*base, "trainer.nnodes=2"))
+    prepare_config(compose_bpo(*base, "+ray_kwargs.ray_init.address=10.0.0.1:6379"))
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    prepare_config(compose_bpo(*base))
+
+
+def test_a_missing_docker_engine_is_refused(compose_bpo, tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rows = swe_rows(tmp_path / "swe.parquet", {"backend": "docker", "docker_binary": "/nonexistent/docker"})
+    cfg = compose_bpo("actor_rollout_ref.rollout.n=4", "bpo.step_timeout_s=1000", *data_overrides(rows))
+    with pytest.raises(ValueError, match=r"sandbox 'swebench' cannot run on node .*backend=docker needs a Docker "
+                                         r"engine answering `/nonexistent/docker info`"):
+        prepare_config(cfg)
+
+
+def test_the_fallback_sandbox_runtime_is_checked_only_when_a_row_may_use_it(compose_bpo, tmp_path, monkeypatch):
+    from sandbox_adapters.swebench import confine
+
+    monkeypatch.setattr(confine, "bwrap_path", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    swe = ["bpo.sandbox.name=swebench", "bpo.step_timeout_s=1000"]
+    prepare_config(compose_bpo("actor_rollout_ref.rollout.n=4", *swe))  # every row names smoke
+    remote = ["data.val_files=hdfs://cluster/val.parquet"]  # not read here: its rows may fall back
+    with pytest.raises(ValueError, match=r"^bpo\.sandbox: sandbox 'swebench' cannot run on node"):
+        prepare_config(compose_bpo("actor_rollout_ref.rollout.n=4", *swe, *remote))
+
+
+def test_registry_checks_for_workers():
+    """What an agent-loop worker calls at start: check_runtime(name, config) for each sandbox it may build."""
+    import socket
+
+    from sandbox_adapters.registry import SandboxRuntimeMissing, check_runtime, check_task
+
+    check_runtime("smoke", {"length": 3})
+    with pytest.raises(SandboxRuntimeMissing, match=re.escape(socket.gethostname())):
+        check_runtime("swebench", {"backend": "docker", "docker_binary": "/nonexistent/docker"})
+    check_task("smoke", {"task_id": 7})
+    check_task("textworld", {"game": "/x.z8"})
+    with pytest.raises(ValueError, match=r"\['game or task_id'\]"):
+        check_task("alfworld", {"name": "x"})
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        check_task("tabular", {})
