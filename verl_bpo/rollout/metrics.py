@@ -6,10 +6,13 @@ the same metric is a flat run's plain mean and the two compare directly.
 
 Cost metrics count what the tree spent, shared prefixes once: ``env_steps`` sandbox steps (one per generated
 turn), ``generated_tokens`` (probes included), ``restores``, and ``trainer_rows`` (leaf rows the trainer trains on).
+``step_retries`` counts sandbox steps retried after a crash or hang (``bpo.step_retries``); ``failed_leaves`` the
+leaves whose step still failed.
 
 Wall time: ``wall_s`` of the tree, and where its branches spent theirs, summed over branches: ``generate_s``
-waiting for generations, ``sandbox_s`` in sandbox steps, ``fork_s`` in snapshots and restores, and ``wait_s`` the
-rest of their lives (waiting for a thread or an engine lock, or for the slowest branch of a wave).
+waiting for generations, ``sandbox_s`` in sandbox steps, ``fork_s`` in snapshots and restores (a fork's, and those
+that keep or rebuild the state before a step for its retries), and ``wait_s`` the rest of their lives (waiting for
+a thread or an engine lock, or for the slowest branch of a wave).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
         "bpo/success_rate": sum(leaf.mass * leaf.won for leaf in leaves),
         "bpo/leaf_return": sum(leaf.mass * leaf.reward for leaf in leaves),
         "bpo/failed_leaves": float(sum(leaf.failed for leaf in leaves)),
+        "bpo/step_retries": float(state.step_retries),
         "bpo/truncated_leaves": float(sum(leaf.truncated for leaf in leaves)),
         "bpo/reset_failures": 0.0,
         "bpo/env_steps": float(state.turns),
@@ -59,7 +63,7 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
         if values:
             metrics[f"bpo/{kind}_ms"] = 1e3 * sum(values) / len(values)
     sandbox_s = sum(seconds.get("step", ()))
-    fork_s = sum(seconds.get("snapshot", ())) + sum(seconds.get("restore", ()))
+    fork_s = sum(seconds.get("snapshot", ())) + sum(seconds.get("restore", ())) + sum(seconds.get("recover", ()))
     metrics.update({
         "bpo/wall_s": state.wall_s, "bpo/generate_s": state.generate_s, "bpo/sandbox_s": sandbox_s,
         "bpo/fork_s": fork_s, "bpo/wait_s": max(state.branch_s - state.generate_s - sandbox_s - fork_s, 0.0),

@@ -16,10 +16,12 @@ the fixed rule's ``topB_wave`` selector, which ranks the candidates of a whole w
 
 When the tree is done the policy learns from it (the profile of a learned allocation).
 
-One request id per tree gives the LLM server sticky routing, so siblings hit the same prefix cache. A sandbox that
-crashes, hangs past ``bpo.step_timeout_s`` or fails to restore ends its own leaf, never the tree; a sandbox that
-never starts (after a retry) turns the tree into N empty failed leaves, so verl's uid group stays whole. Every
-sandbox is closed when its branch ends, and all of them if the tree itself fails.
+One request id per tree gives the LLM server sticky routing, so siblings hit the same prefix cache. A sandbox step
+that crashes or hangs past ``bpo.step_timeout_s`` is retried (``bpo.step_retries`` times) on a fresh sandbox rebuilt
+at the state before it, re-seeded, with the same action text, so a transient fault leaves the path distributed as
+it would have been without it; a step that still fails ends its own leaf, never the tree. A sandbox that never
+starts (after a retry) turns the tree into N empty failed leaves, so verl's uid group stays whole. Every sandbox
+and every snapshot kept for retries is closed when its branch ends, and all of them if the tree itself fails.
 
 The sampler is independent of verl: tokenization goes through a :class:`~verl_bpo.rollout.protocols.ChatCodec`
 and generation through any :class:`~verl_bpo.rollout.protocols.LLMClient`.
@@ -35,18 +37,22 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sandbox_adapters.base import Observation, Sandbox, Snapshot
+from sandbox_adapters.base import Observation, Sandbox, Snapshot, SnapshotKind, StepResult
 from verl_bpo.core.config import BPOConfig
 from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.rollout.metrics import tree_metrics
 from verl_bpo.rollout.protocols import ChatCodec, LLMClient, Transcript
 from verl_bpo.rollout.sandbox_calls import SandboxCalls
 from verl_bpo.rollout.scoring import ForkScorer, mean_surprisal
-from verl_bpo.rollout.tree_state import Branch, TreeResult, TreeState
+from verl_bpo.rollout.tree_state import Anchor, Branch, TreeResult, TreeState
 
 __all__ = ["TreeSampler"]
 
 logger = logging.getLogger(__name__)
+
+# Snapshot kinds cheap enough to take before every step, so that a failed step is retried from a snapshot of the
+# state just before it; other kinds (a filesystem layer, a forked process) keep their fork's snapshot and replay.
+CHEAP_SNAPSHOTS = frozenset({SnapshotKind.NATIVE, SnapshotKind.REPLAY})
 
 MISSING_LOG_PROBS = (
     "the LLM server returned no log-probabilities for a turn; the tree's fork scores and verl's rollout "
@@ -78,6 +84,11 @@ class TreeSampler:
         seed: seeds the sandboxes' re-seeding at forks.
         budget: the tree's root budget under a learned allocation (:meth:`ForkPolicy.start_tree`); ``None``: N flat
             rollouts' worth, learned from earlier trees.
+        task_key: names the task for the policy (its per-task episode cost); ``None``: not tracked.
+        unique_request_ids: give every generation its own request id (``<tree id>-<n>``) instead of the tree's one.
+            Needed where the client hands the id to the engine unchanged (verl with
+            ``rollout.full_determinism=True``), since concurrent requests with one id collide there; routing then
+            follows each id (verl hashes it) instead of sticking to one server.
     """
 
     RESET_ATTEMPTS = 2  # a reset that fails twice on fresh sandboxes is not transient: the tree becomes failed leaves
@@ -85,7 +96,8 @@ class TreeSampler:
     def __init__(self, config: BPOConfig, n_leaves: int, response_length: int, make_sandbox: Callable[[], Sandbox],
                  task: Mapping[str, Any], llm: LLMClient, codec: ChatCodec, *, tree_id: str,
                  sampling_params: Mapping[str, Any] | None = None, policy: ForkPolicy | None = None,
-                 seed: int = 0, budget: float | None = None) -> None:
+                 seed: int = 0, budget: float | None = None, task_key: str | None = None,
+                 unique_request_ids: bool = False) -> None:
         self.config = config
         self.n_leaves = n_leaves
         self.response_length = response_length
@@ -93,18 +105,21 @@ class TreeSampler:
         self.task = dict(task)
         self.llm, self.codec = llm, codec
         self.request_id = f"bpo-{tree_id}"  # one id per tree: sticky routing to one server's prefix cache
+        self.unique_request_ids = unique_request_ids
+        self.generations = 0
         self.sampling_params = dict(sampling_params or {})
         self.policy = policy if policy is not None else ForkPolicy(config)
         self.tree = TreeState(tree_id)
-        self.scorer = ForkScorer(config, llm, self.request_id, self.sampling_params, self.tree)
+        self.scorer = ForkScorer(config, llm, self.next_request_id, self.sampling_params, self.tree)
         self.calls = SandboxCalls(config.step_timeout_s)
         self.rng = random.Random(seed)
         self.budget = budget
+        self.task_key = task_key
 
     # --- the tree, top to bottom --------------------------------------------------------------------------------
     async def run(self) -> TreeResult:
         self.plan = plan = self.policy.start_tree(self.n_leaves, seed=self.rng.randrange(2**31),
-                                                         budget=self.budget)
+                                                  budget=self.budget, task_key=self.task_key)
         start = time.perf_counter()
         try:
             started = await self._start_episode()
@@ -122,8 +137,8 @@ class TreeSampler:
         finally:
             await asyncio.gather(*(self._close(b) for b in self.tree.open_sandboxes()))
             self.tree.wall_s = time.perf_counter() - start
-        self.policy.finish_tree(plan, self.tree.record())
-        return self._result()
+        record = self.policy.finish_tree(plan, self.tree.record(self.task_key))
+        return dataclasses.replace(self._result(), record=record)
 
     async def _grow_in_waves(self) -> None:
         """Every live branch advances one turn per wave: a plan that ranks a wave's candidates sees them all."""
@@ -194,7 +209,12 @@ class TreeSampler:
         (``RESET_ATTEMPTS`` in all)."""
         unstarted = _Unstarted("no reset attempted", "")
         for _ in range(self.RESET_ATTEMPTS):
-            box = self.make_sandbox()
+            try:
+                box = self.make_sandbox()
+            except Exception as exc:  # e.g. the sandbox's runtime (Docker, bwrap) is missing on this node
+                logger.warning("tree %s: sandbox could not be created: %r", self.tree.tree_id, exc)
+                unstarted = _Unstarted(f"{type(exc).__name__}: {exc}", "")
+                continue
             try:
                 observation = await self.calls("reset", box, "reset", self.task)
                 # The root's own randomness is the tree's, as every child's is (restore re-seeds them): a reset
@@ -234,12 +254,21 @@ class TreeSampler:
         result.metrics["bpo/unspent_leaf_budget"] = 0.0
         return result
 
+    def next_request_id(self) -> str:
+        """The request id of the tree's next generation (class docstring: ``unique_request_ids``)."""
+        if not self.unique_request_ids:
+            return self.request_id
+        self.generations += 1
+        return f"{self.request_id}-{self.generations}"
+
     # --- forks and turns ----------------------------------------------------------------------------------------
     async def _fork(self, branch: Branch, children: int) -> list[Branch]:
         """Up to ``children − 1`` siblings of ``branch`` at its node, each with a restored, re-seeded sandbox.
 
         A failed snapshot or restore makes the fork smaller; that is decided before any child turn is drawn, so
         the tree stays unbiased. ``branch`` and its siblings share the mass ``ω / k`` of the fork's actual size k.
+        Where snapshots are not cheap (and ``bpo.step_retries`` > 0) the fork's snapshot stays with its branches,
+        which retry a failed step from it (:meth:`_step_with_retries`).
         """
         if children < 2:
             return []
@@ -248,18 +277,26 @@ class TreeSampler:
         except Exception as exc:
             logger.warning("tree %s: snapshot failed, node not forked: %r", self.tree.tree_id, exc)
             return []
-        siblings = []
+        siblings, seeds = [], []
         try:
             for _ in range(children - 1):
-                box = self.make_sandbox()
+                box, seed = self.make_sandbox(), self.rng.randrange(2**31)
                 try:
-                    await self.calls("restore", box, "restore", snapshot, self.rng.randrange(2**31))
+                    await self.calls("restore", box, "restore", snapshot, seed)
                 except Exception as exc:
                     logger.warning("tree %s: restore failed, one child fewer: %r", self.tree.tree_id, exc)
                     await self.calls.close(box)
                     continue
                 siblings.append(branch.copy_into(box))
-        finally:
+                seeds.append(seed)
+        except BaseException:
+            snapshot.close()
+            raise
+        if siblings and self.config.step_retries and branch.sandbox.snapshot_kind not in CHEAP_SNAPSHOTS:
+            anchor = Anchor(snapshot)  # ``branch``'s own sandbox is the one it was taken of: no seed
+            for holder, seed in [(branch, None), *zip(siblings, seeds)]:
+                holder.hold(anchor, seed)
+        else:
             snapshot.close()  # restored children are independent copies; the snapshot is no longer needed
         if siblings:
             mass = branch.mass / (1 + len(siblings))
@@ -273,7 +310,8 @@ class TreeSampler:
         cap = room if self.config.max_tokens_per_turn is None else min(room, self.config.max_tokens_per_turn)
         params = {**self.sampling_params, "max_tokens": max(cap, 1)}
         start = time.perf_counter()
-        out = await self.llm.generate(self.request_id, prompt_ids=branch.transcript.token_ids, sampling_params=params)
+        out = await self.llm.generate(self.next_request_id(), prompt_ids=branch.transcript.token_ids,
+                                      sampling_params=params)
         self.tree.generate_s += time.perf_counter() - start
         self.tree.track_versions(out)
         token_ids, log_probs = list(out.token_ids), list(out.log_probs or [])
@@ -298,8 +336,8 @@ class TreeSampler:
         branch.node_path.append(node)
         branch.last_turn_surprisal = mean_surprisal(log_probs)
         try:
-            result = await self.calls("step", branch.sandbox, "step", text)
-        except Exception as exc:  # any engine fault ends this leaf only; the failed turn earns 0
+            result = await self._step_with_retries(branch, text)
+        except Exception as exc:  # a fault that outlasted its retries ends this leaf only; the failed turn earns 0
             logger.warning("tree %s: a branch failed and becomes a failed leaf: %r", self.tree.tree_id, exc)
             branch.turn_rewards.append(0.0)
             branch.done, branch.failed, branch.error = True, True, f"{type(exc).__name__}: {exc}"
@@ -316,7 +354,63 @@ class TreeSampler:
             branch.done, branch.truncated = True, True
             await self._close(branch)
 
+    async def _step_with_retries(self, branch: Branch, text: str) -> StepResult:
+        """``branch``'s sandbox stepped with ``text``. A step that crashes or hangs is retried up to
+        ``bpo.step_retries`` times, each on a fresh sandbox rebuilt at the state before the step (the branch's
+        anchor restored, the actions since replayed), re-seeded with a fresh seed, with the same text: a fault that
+        does not depend on the action then leaves the path distributed exactly as without it. Raises the last
+        attempt's error when every attempt failed."""
+        if self.config.step_retries and branch.sandbox.snapshot_kind in CHEAP_SNAPSHOTS:
+            await self._anchor_before_step(branch)
+        try:
+            result = await self.calls("step", branch.sandbox, "step", text)
+        except Exception as exc:
+            error = exc
+        else:
+            branch.replay.append((None, text))
+            return result
+        retries = self.config.step_retries if branch.anchor is not None else 0  # no anchor: nothing to rebuild
+        for _ in range(retries):
+            logger.info("tree %s: retrying a failed step on a rebuilt sandbox: %r", self.tree.tree_id, error)
+            self.tree.step_retries += 1
+            try:
+                return await self._retry_step(branch, text)
+            except Exception as exc:
+                error = exc
+        raise error
+
+    async def _anchor_before_step(self, branch: Branch) -> None:
+        """A snapshot of the state before the next step becomes the branch's anchor. If it fails, the older anchor
+        and the actions since still rebuild this state."""
+        try:
+            snapshot = await self.calls("recover", branch.sandbox, "snapshot")
+        except Exception as exc:
+            logger.warning("tree %s: snapshot before a step failed: %r", self.tree.tree_id, exc)
+            return
+        branch.hold(Anchor(snapshot))
+
+    async def _retry_step(self, branch: Branch, text: str) -> StepResult:
+        """One retry: a fresh sandbox rebuilt from the branch's anchor, re-seeded and stepped with ``text``. It
+        replaces the branch's sandbox when the step succeeds, and is closed when anything fails."""
+        seed, box = self.rng.randrange(2**31), self.make_sandbox()
+        try:
+            await self.calls("recover", box, "restore", branch.anchor.snapshot, branch.anchor_seed)
+            for reseed, action in branch.replay:
+                if reseed is not None:
+                    await self.calls("recover", box, "reseed", reseed)
+                await self.calls("recover", box, "step", action)
+            await self.calls("recover", box, "reseed", seed)
+            result = await self.calls("step", box, "step", text)
+        except BaseException:
+            await self.calls.close(box)
+            raise
+        failed, branch.sandbox = branch.sandbox, box
+        await self.calls.close(failed)
+        branch.replay.append((seed, text))
+        return result
+
     async def _close(self, branch: Branch) -> None:
+        branch.let_go()
         if branch.sandbox is not None:
             sandbox, branch.sandbox = branch.sandbox, None
             self.tree.branch_s += time.perf_counter() - branch.born
@@ -326,5 +420,4 @@ class TreeSampler:
     def _result(self) -> TreeResult:
         leaves = self.tree.leaves(self.response_length, self.config.mask_failed_turns)
         metrics = tree_metrics(self.tree, leaves, self.plan, self.calls.seconds)
-        metrics.update(self.policy.metrics())
         return TreeResult(leaves, metrics, dict(self.tree.weight_versions))

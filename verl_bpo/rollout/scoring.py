@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from verl_bpo.core.config import BPOConfig
@@ -26,9 +26,11 @@ def mean_surprisal(log_probs: Sequence[float]) -> float:
 
 
 class ForkScorer:
-    """Scores the candidates of one tree (one request id: probes share the tree's prefix cache)."""
+    """Scores the candidates of one tree (``request_id`` gives each probe the tree's request id, so probes share
+    the tree's prefix cache)."""
 
-    def __init__(self, config: BPOConfig, llm: LLMClient, request_id: str, sampling_params: Mapping[str, Any],
+    def __init__(self, config: BPOConfig, llm: LLMClient, request_id: Callable[[], str],
+                 sampling_params: Mapping[str, Any],
                  tree: TreeState) -> None:
         if config.score == "next_token_entropy" and not hasattr(llm, "next_token_entropy"):
             raise ValueError(
@@ -48,7 +50,7 @@ class ForkScorer:
             return mean_surprisal(branch.pending[1])
         if score == "probe_surprisal":
             params = {**self.sampling_params, "max_tokens": self.config.probe_tokens}
-            out = await self.llm.generate(self.request_id, prompt_ids=list(view.history), sampling_params=params)
+            out = await self.llm.generate(self.request_id(), prompt_ids=list(view.history), sampling_params=params)
             self.tree.generated_tokens += len(out.token_ids)
             return mean_surprisal(out.log_probs or [])
         return float(await self.llm.next_token_entropy(list(view.history)))

@@ -13,13 +13,30 @@ import math
 import time
 from typing import Any
 
-from sandbox_adapters.base import Sandbox
+from sandbox_adapters.base import Sandbox, Snapshot
 from verl_bpo.core.fork_policy import NodeView
 from verl_bpo.core.leaf_meta import LeafMeta
 from verl_bpo.core.profile import TreeRecord
 from verl_bpo.rollout.protocols import Transcript
 
-__all__ = ["Branch", "Leaf", "TreeResult", "TreeState"]
+__all__ = ["Anchor", "Branch", "Leaf", "TreeResult", "TreeState"]
+
+
+class Anchor:
+    """A snapshot kept so that a failed sandbox step can be retried from the state before it.
+
+    Shared by the branches that can be rebuilt from it (the siblings of a fork) and closed when the last of them
+    lets go, so no snapshot outlives the branches that need it.
+    """
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.holders = 0
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.snapshot.close()
 
 
 @dataclasses.dataclass
@@ -42,6 +59,12 @@ class Branch:
         born: when the branch was created (``time.perf_counter``), for the tree's wall-time breakdown.
         done, failed, truncated, won: how the branch ended (``failed``: its last step crashed or hung).
         error: a short description of the failure, if any.
+        anchor: the snapshot the branch's sandbox can be rebuilt from after a failed step (``bpo.step_retries``):
+            taken before each step where snapshots are cheap, else its last fork's.
+        anchor_seed: the seed the branch's sandbox was restored from ``anchor`` with (``None``: the snapshot was
+            taken of the branch's own sandbox).
+        replay: the action texts stepped since ``anchor``, each with the seed its sandbox was re-seeded with just
+            before it (``None``: not re-seeded); with ``anchor`` and ``anchor_seed`` they rebuild the sandbox.
     """
 
     node: int
@@ -62,6 +85,9 @@ class Branch:
     truncated: bool = False
     won: bool = False
     error: str | None = None
+    anchor: Anchor | None = None
+    anchor_seed: int | None = None
+    replay: list[tuple[int | None, str]] = dataclasses.field(default_factory=list)
 
     def view(self, max_turns: int) -> NodeView:
         """The frozen view of the branch's node: all a fork decision may read."""
@@ -70,10 +96,23 @@ class Branch:
                         turns_since_fork=self.since_fork, horizon_left=max_turns - self.depth, budget=self.budget)
 
     def copy_into(self, sandbox: Sandbox) -> Branch:
-        """A sibling at the same node: its own sandbox and transcript, the same history."""
+        """A sibling at the same node: its own sandbox and transcript, the same history (no anchor yet)."""
         return dataclasses.replace(self, sandbox=sandbox, transcript=self.transcript.copy(),
                                    node_path=list(self.node_path), turn_rewards=list(self.turn_rewards), pending=None,
-                                   born=time.perf_counter())
+                                   born=time.perf_counter(), anchor=None, anchor_seed=None, replay=[])
+
+    def hold(self, anchor: Anchor, seed: int | None = None) -> None:
+        """Rebuild from ``anchor`` from now on (the branch's sandbox was restored from it with ``seed``, or is the
+        sandbox it was taken of); lets go of the previous anchor."""
+        anchor.holders += 1
+        self.let_go()
+        self.anchor, self.anchor_seed, self.replay = anchor, seed, []
+
+    def let_go(self) -> None:
+        """Release the anchor (its snapshot closes when no other branch holds it)."""
+        if self.anchor is not None:
+            anchor, self.anchor = self.anchor, None
+            anchor.release()
 
 
 @dataclasses.dataclass
@@ -105,13 +144,14 @@ class Leaf:
 
 @dataclasses.dataclass
 class TreeResult:
-    """The leaves of one tree, its metrics (flat ``bpo/...`` names, ready for verl's logger), and the model-version
+    """The leaves of one tree, its metrics (flat ``bpo/...`` names, ready for verl's logger), the model-version
     range of its generations (``min_global_steps``/``max_global_steps`` from verl's server outputs; verl's trainer
-    reads them from every row for off-policy accounting)."""
+    reads them from every row for off-policy accounting), and its record for the fork policy."""
 
     leaves: list[Leaf]
     metrics: dict[str, float]
     weight_versions: dict[str, int] = dataclasses.field(default_factory=dict)
+    record: TreeRecord | None = None  # what the tree teaches the run's fork policy; None for a tree that never started
 
 
 class TreeState:
@@ -122,6 +162,7 @@ class TreeState:
         self.branches: list[Branch] = []
         self.next_node = 1
         self.forks = 0
+        self.step_retries = 0  # failed sandbox steps retried on a rebuilt sandbox (bpo.step_retries)
         self.generated_tokens = 0
         self.weight_versions: dict[str, int] = {}
         self.generate_s = 0.0  # seconds the tree's branches spent waiting for generations, summed over branches
@@ -143,11 +184,11 @@ class TreeState:
                                        if log_probs else 0.0)
         return node
 
-    def record(self) -> TreeRecord:
-        """What the finished tree tells the fork policy's profile."""
+    def record(self, task_key: str | None = None) -> TreeRecord:
+        """What the finished tree tells the fork policy (the plan completes it: ``ForkPolicy.finish_tree``)."""
         return TreeRecord([tuple(b.node_path) for b in self.branches],
                           [float(sum(b.turn_rewards)) for b in self.branches], [b.mass for b in self.branches],
-                          dict(self.turn_uncertainty), dict(self.turn_tokens))
+                          dict(self.turn_uncertainty), dict(self.turn_tokens), task_key=task_key)
 
     @property
     def turns(self) -> int:
