@@ -18,7 +18,9 @@ The contract, small on purpose (OpenRLHF's reset/step plus snapshot/restore):
   ``render_observation(obs)``.
 
 Engine faults (a crash, a hang past ``step_timeout_s``, a restore that fails) raise a subclass of
-:class:`SandboxError`, which the tree sampler turns into one failed leaf.
+:class:`SandboxError`. The tree sampler retries a failed step from the state before it (``bpo.step_retries``); one
+that still fails ends its leaf, never the tree. Only faults outside the agent's reach may raise: whatever an agent's
+action can cause is its outcome.
 
 Nothing here imports verl.
 """
@@ -154,11 +156,12 @@ class Snapshot:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Errors: each one ends one leaf, never the tree
+# Errors: each one is retried, then ends one leaf, never the tree
 
 
 class SandboxError(RuntimeError):
-    """Base class of engine faults. The sampler marks the leaf failed (reward 0) and goes on."""
+    """Base class of engine faults. The sampler retries the step; after ``bpo.step_retries`` it marks the leaf
+    failed (reward 0) and goes on."""
 
 
 class SandboxCrashed(SandboxError):

@@ -31,7 +31,7 @@ from verl_bpo.integration.actor_loss import actor_loss
 from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.integration.agent_loop import STATE_KEY, BPOTreeAgentLoop
 from verl_bpo.integration.batch_layout import minibatch_rows
-from verl_bpo.integration.trainer import batch_tree_call, learn_from_batch, rollout_state
+from verl_bpo.integration.trainer import batch_tree_call, learn_from_batch, rollout_states
 from verl_bpo.oracle.mdp import TabularMDP, exact_gradient, problem
 from verl_bpo.oracle.policy import TabularCodec, TabularPolicy
 from verl_bpo.oracle.sandbox import TabularSandbox  # noqa: F401  (registers "tabular")
@@ -117,7 +117,7 @@ def grow_batch(case: Case, tokenizer, client: TabularPolicy, first_uid: int,
     each row carrying ``policy``'s state as the BPO trainer hands it out."""
     config = trainer_config(case)
     extra_info = {"task": json.dumps({})}
-    state = rollout_state(policy, case.sessions or case.n, [extra_info], config.bpo.sandbox)
+    (state,) = rollout_states(policy, case.sessions or case.n, [extra_info], config.bpo.sandbox)
     mdp, _ = case.mdp_theta
     TabularAgentLoop.codec = TabularCodec(mdp)
 

@@ -25,7 +25,7 @@ from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.integration.agent_loop import STATE_KEY, TREE_METRICS_KEY, TREE_RECORD_KEY, BPOTreeAgentLoop
 from verl_bpo.integration.estimator import compute_bpo_advantage
 from verl_bpo.demo.tiny_model import build_tiny_model
-from verl_bpo.integration.trainer import column, rollout_state, tree_metrics
+from verl_bpo.integration.trainer import column, rollout_states, tree_metrics
 from verl_bpo.core.leaf_meta import META_KEY
 
 
@@ -76,7 +76,7 @@ def make_loop(config, tokenizer, server):
 def training_state(config, sessions, policy=None):
     """The STATE_KEY column the BPO trainer gives every training row (a fresh run's state by default)."""
     bpo = BPOConfig.from_mapping(OmegaConf.to_container(config.bpo)).for_estimator(config.algorithm.adv_estimator)
-    return rollout_state(policy or ForkPolicy(bpo), sessions, [], {"name": "smoke", "config": {}})
+    return rollout_states(policy or ForkPolicy(bpo), sessions, [None], {"name": "smoke", "config": {}})[0]
 
 
 async def run_sessions(config, tokenizer, n, uid="uid-a", task_id=2, validate=False):

@@ -20,13 +20,19 @@ from verl_bpo.core.config import BPOConfig
 from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.core.profile import TreeRecord
 from verl_bpo.integration import trainer as trainer_module
-from verl_bpo.integration.agent_loop import STATE_KEY, TREE_METRICS_KEY, TREE_RECORD_KEY, BPOTreeAgentLoop
+from verl_bpo.integration.agent_loop import (
+    STATE_KEY,
+    TREE_METRICS_KEY,
+    TREE_RECORD_KEY,
+    BPOTreeAgentLoop,
+    row_task,
+)
 from verl_bpo.integration.trainer import (
     STATE_FILE,
     BPOTrainer,
     check_reset_failures,
     learn_from_batch,
-    rollout_state,
+    rollout_states,
     tree_metrics,
 )
 
@@ -37,10 +43,17 @@ def bpo_config(config) -> BPOConfig:
     return BPOConfig.from_mapping(OmegaConf.to_container(config.bpo)).for_estimator(config.algorithm.adv_estimator)
 
 
-def rows(uids, tasks, state=None):
+SMOKE = {"name": "smoke", "config": {}}
+
+
+def rows(uids, tasks, run=None, sessions=8):
+    """Dataset rows as the agent loop gets them; with ``run``, training rows carrying its state as the BPO trainer
+    hands it out (``rollout_states``), else validation rows."""
+    extra_infos = [{"task": {"task_id": task}} for task in tasks]
+    states = rollout_states(run, sessions, extra_infos, SMOKE) if run is not None else [None] * len(uids)
     out = []
-    for uid, task in zip(uids, tasks):
-        row = {"uid": uid, "index": 0, "extra_info": {"task": {"task_id": task}}}
+    for uid, extra_info, state in zip(uids, extra_infos, states):
+        row = {"uid": uid, "index": 0, "extra_info": extra_info}
         if state is not None:
             row[STATE_KEY] = state
         out.append(row)
@@ -94,7 +107,7 @@ def test_every_worker_plans_on_the_run_state_learned_from_every_tree(tokenizer, 
     same trees; step 2's trees plan on that state on both workers (and the workers keep none of their own)."""
     config = make_config(n=4, **LEARNED)
     run = ForkPolicy(bpo_config(config))
-    step_rows = rows([f"s1-{i}" for i in range(6)], [1, 2, 3, 1, 2, 3], rollout_state(run, 8, [], {}))
+    step_rows = rows([f"s1-{i}" for i in range(6)], [1, 2, 3, 1, 2, 3], run)
     grown = (asyncio.run(grow_on_one_worker(config, tokenizer, step_rows[:3], 8, seed=1))[0]
              + asyncio.run(grow_on_one_worker(config, tokenizer, step_rows[3:], 8, seed=2))[0])
     uids, extras = batch_fields(grown)
@@ -106,9 +119,7 @@ def test_every_worker_plans_on_the_run_state_learned_from_every_tree(tokenizer, 
     assert run.trees_learned == 6 and run.profile.trees > 0
 
     planned_states.clear()
-    extra_infos = [{"task": {"task_id": t}} for t in (1, 2, 3, 4)]
-    state = rollout_state(run, 8, extra_infos, {"name": "smoke", "config": {}})
-    step2 = rows([f"s2-{i}" for i in range(4)], [1, 2, 3, 4], state)
+    step2 = rows([f"s2-{i}" for i in range(4)], [1, 2, 3, 4], run)
     asyncio.run(grow_on_one_worker(config, tokenizer, step2[:2], 8, seed=3))
     asyncio.run(grow_on_one_worker(config, tokenizer, step2[2:], 8, seed=4))
     expected = json.dumps(run.state_dict(task_keys=()), sort_keys=True)
@@ -116,13 +127,17 @@ def test_every_worker_plans_on_the_run_state_learned_from_every_tree(tokenizer, 
     assert not hasattr(BPOTreeAgentLoop, "_policies")
 
 
-def test_the_state_a_step_hands_out_carries_only_its_tasks_costs():
+def test_each_row_carries_the_state_with_its_own_tasks_cost_only():
+    """verl stores a row's fields with each of its outputs: a row carries the profile and its own task's cost."""
     policy = ForkPolicy(BPOConfig(mode="tree", **LEARNED))
-    for key in ("a", "b", "c"):
+    tasks = [{"task": {"task_id": t}} for t in (1, 2, 3)]
+    for extra in tasks:
+        key = row_task(extra, SMOKE).key
         policy.learn(TreeRecord([(0, 1, 2)], [1.0], [1.0], {}, {1: 3.0, 2: 4.0}, plan="explore", task_key=key))
-    state = json.loads(rollout_state(policy, 8, [], {}))
-    assert state["sessions"] == 8 and state["policy"]["task_costs"] == {}
-    assert set(policy.state_dict(task_keys={"b", "z"})["task_costs"]) == {"b"}
+    states = [json.loads(s) for s in rollout_states(policy, 8, [*tasks, {"task": {"task_id": 9}}], SMOKE)]
+    assert all(s["sessions"] == 8 for s in states)
+    assert [list(s["policy"]["task_costs"]) for s in states] == [[row_task(t, SMOKE).key] for t in tasks] + [[]]
+    assert all(s["policy"]["profile"] == policy.state_dict()["profile"] for s in states)
 
 
 def test_a_task_seen_before_is_budgeted_on_its_own_episode_cost():
@@ -166,8 +181,8 @@ def test_sessions_that_arrive_in_any_order_still_share_one_tree(tokenizer):  # n
     """The tree's session count comes from the trainer's state, not from who registered before the tree started:
     sessions started in shuffled order, with awaits between, all get their leaf of one tree."""
     config = make_config(n=4, k0=2)
-    state = rollout_state(ForkPolicy(bpo_config(config)), 4, [], {})
-    grown, _ = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["r-0", "r-1"], [1, 2], state), 4,
+    run = ForkPolicy(bpo_config(config))
+    grown, _ = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["r-0", "r-1"], [1, 2], run, 4), 4,
                                               seed=5, stagger_s=0.01))
     for uid, outputs in grown:
         metas = [o.extra_fields["bpo"] for o in outputs]
@@ -177,13 +192,13 @@ def test_sessions_that_arrive_in_any_order_still_share_one_tree(tokenizer):  # n
 
 
 @pytest.mark.parametrize("full_determinism", [False, True])
-def test_request_ids_are_unique_per_generation_only_where_the_engine_sees_them(tokenizer, full_determinism):  # noqa: F811
+def test_request_ids_are_unique_per_generation_where_the_engine_sees_them(tokenizer, full_determinism):  # noqa: F811
     """verl hands the engine a fresh id per turn unless rollout.full_determinism=True, where it passes ours through
     (concurrent requests with one id collide in the engine): then every generation gets its own id."""
     config = make_config(n=4, k0=2)
     config.actor_rollout_ref.rollout.full_determinism = full_determinism
-    state = rollout_state(ForkPolicy(bpo_config(config)), 4, [], {})
-    _, server = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["q-0"], [1], state), 4))
+    run = ForkPolicy(bpo_config(config))
+    _, server = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["q-0"], [1], run, 4), 4))
     if full_determinism:
         assert len(set(server.request_ids)) == len(server.request_ids) > 4
         assert all(r.startswith("bpo-q-0-") for r in server.request_ids)
@@ -196,8 +211,7 @@ def test_the_metrics_log_one_profile(tokenizer):  # noqa: F811
     trainer logs its one policy's."""
     config = make_config(n=4, **LEARNED)
     run = ForkPolicy(bpo_config(config))
-    grown, _ = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["m-0"], [1], rollout_state(run, 8, [], {})),
-                                              8))
+    grown, _ = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["m-0"], [1], run), 8))
     uids, extras = batch_fields(grown)
     assert not any(k.startswith("bpo/profile/") for k in tree_metrics(uids, extras))
     learn_from_batch(run, uids, extras)

@@ -74,7 +74,8 @@ class BPOConfig:
         max_leaves: the most leaves a turn- or token-budget tree may grow (the sessions verl runs per task, so
             the trainer's rows per task at most); ``null`` (default) = 4 · N.
         warmup_trees: the run's first training trees, of exploration shape, before the profile decides
-            (``learned``; validation never counts). Default 32.
+            (``learned``; validation never counts). Counted at each step's start: every tree of a step explores
+            while fewer than this many trees were learned from before it. Default 32.
         explore_share: share of later trees grown with the exploration shape, so a profile that went flat can
             still notice when training moves the decisive turns. Default 0.05.
         profile_prior: κ, the share of a depth's injected variance credited one depth earlier (returns cannot tell

@@ -377,7 +377,6 @@ class ForkPolicy:
         # started, and a policy that only learns (the trainer's) counts those it learned from as started.
         self.trees_started = 0
         self.trees_learned = 0
-        self.trees_finished = 0
 
     @property
     def learned(self) -> bool:
@@ -425,7 +424,6 @@ class ForkPolicy:
     def learn(self, record: TreeRecord) -> None:
         """Learn from a finished tree: the quantile threshold (fixed rule), or the depth profile and the task's
         episode cost (learned plans). Flat groups teach nothing."""
-        self.trees_finished += 1
         if record.plan == "fixed":
             if self.config.selector == "quantile" and record.fork_scores:
                 rate = min(1.0, record.forks_wanted / len(record.fork_scores))
@@ -448,7 +446,7 @@ class ForkPolicy:
         costs = self.task_costs if task_keys is None else {k: self.task_costs[k] for k in task_keys
                                                            if k in self.task_costs}
         return {"version": self.STATE_VERSION, "trees_started": self.trees_started,
-                "trees_learned": self.trees_learned, "trees_finished": self.trees_finished, "threshold": {str(n): t for n, t in self.threshold.items()},
+                "trees_learned": self.trees_learned, "threshold": {str(n): t for n, t in self.threshold.items()},
                 "profile": self.profile.state_dict(), "task_costs": costs}
 
     def load_state_dict(self, state: dict) -> None:
@@ -457,7 +455,6 @@ class ForkPolicy:
             raise ValueError(f"BPO allocation state version {state.get('version')!r} is not "
                              f"{self.STATE_VERSION}; it was written by another verl-bpo version")
         self.trees_started, self.trees_learned = int(state["trees_started"]), int(state["trees_learned"])
-        self.trees_finished = int(state["trees_finished"])
         self.threshold = {int(n): float(t) for n, t in state["threshold"].items()}
         self.profile.load_state_dict(state["profile"])
         self.task_costs = {k: dict(v) for k, v in state["task_costs"].items()}

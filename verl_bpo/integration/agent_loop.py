@@ -54,6 +54,7 @@ AGENT_NAME = "bpo_tree"
 TREE_METRICS_KEY = "bpo_tree_metrics"
 TREE_RECORD_KEY = "bpo_tree_record"
 STATE_KEY = "bpo_allocation_state"  # the training row's column: JSON of {"policy": ..., "sessions": ...}
+
 class VerlChatCodec:
     """verl's continuous-token builder behind the sampler's ChatCodec protocol (masks and log-probs aligned)."""
 
@@ -119,7 +120,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
     # Per worker process: the sessions of one uid all run in the same process and event loop.
     _trees: ClassVar[dict[str, asyncio.Task]] = {}
     _collected: ClassVar[dict[str, int]] = {}
-    _runtime_checked: ClassVar[dict[str, SandboxRuntimeMissing | None]] = {}  # per sandbox setting
+    _runtime_ok: ClassVar[set[str]] = set()  # sandbox settings whose runtime this process found
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.pop("name", None)
@@ -145,7 +146,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
         try:
             result: TreeResult = await asyncio.shield(tree)
         finally:
-            self._collected[uid] += 1
+            self._collected[uid] = self._collected.get(uid, 0) + 1
             if self._collected[uid] >= sessions:
                 self._trees.pop(uid, None)
                 self._collected.pop(uid, None)
@@ -156,22 +157,22 @@ class BPOTreeAgentLoop(AgentLoopBase):
                             result.record.to_dict() if first and result.record is not None else None)
 
     @classmethod
-    def _sandbox_factory(cls, where: RowTask) -> Callable[[], Sandbox]:
-        """Fresh sandboxes of the row's kind. Where the sandbox's runtime (Docker, bwrap) is missing on this node, every
-        call raises the error naming the node: the tree becomes failed leaves, and the trainer stops the run when
-        most trees of a step never start (checked once per process and sandbox setting)."""
+    async def _sandbox_factory(cls, where: RowTask) -> Callable[[], Sandbox]:
+        """Fresh sandboxes of the row's kind. Where the sandbox's runtime (Docker, bwrap) is missing on this node,
+        every call raises the error naming the node: the tree becomes failed leaves, and the trainer stops the run
+        when most trees of a step never start. The check runs off the event loop (``docker info`` can take seconds)
+        and a passed check is remembered per process and sandbox setting."""
         key = json.dumps([where.sandbox, where.sandbox_config], sort_keys=True, default=str)
-        if key not in cls._runtime_checked:
+        if key not in cls._runtime_ok:
             try:
-                check_runtime(where.sandbox, where.sandbox_config)
-                cls._runtime_checked[key] = None
+                await asyncio.to_thread(check_runtime, where.sandbox, where.sandbox_config)
+                cls._runtime_ok.add(key)
             except SandboxRuntimeMissing as exc:
-                cls._runtime_checked[key] = exc
-        missing = cls._runtime_checked[key]
-        if missing is not None:
-            def unavailable() -> Sandbox:
-                raise missing
-            return unavailable
+                message = str(exc)
+
+                def unavailable() -> Sandbox:
+                    raise SandboxRuntimeMissing(message)  # a fresh error each time: no traceback chain kept alive
+                return unavailable
         return lambda: make_sandbox(where.sandbox, where.sandbox_config)
 
     async def _grow(self, tree_id: str, sampling_params: dict[str, Any], row: Mapping,
@@ -191,7 +192,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
             policy.load_state_dict(state["policy"])
         where = row_task(row.get("extra_info"), dataclasses.asdict(bpo.sandbox), tree_id)
         sampler = TreeSampler(
-            config, n_leaves, self.rollout_config.response_length, self._sandbox_factory(where), where.task,
+            config, n_leaves, self.rollout_config.response_length, await self._sandbox_factory(where), where.task,
             self.server_manager,
             self.make_codec(), tree_id=tree_id, sampling_params=sampling_params, policy=policy,
             # str hash() is salted per process; crc32 makes the sandbox seeds a pure function of the uid.

@@ -36,6 +36,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -59,12 +60,14 @@ from verl_bpo.integration.batch_layout import batch_multiple, minibatch_rows, ro
 from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
 from verl_bpo.integration.settings import read_bpo_config
 
-__all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "STATE_FILE", "tree_metrics", "rollout_state",
+__all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "STATE_FILE", "tree_metrics", "rollout_states",
            "learn_from_batch", "check_reset_failures", "save_allocation_state", "load_allocation_state",
            "batch_tree_call", "append_tree", "column"]
 
 # BPOTrainer's name in verl's trainer registry: verl's stock TaskRunner builds the trainer that
 # ``trainer.v1.trainer_mode`` names, so ``trainer_mode=bpo`` runs BPO through ``python -m verl.trainer.main_ppo``.
+logger = logging.getLogger(__name__)
+
 TRAINER_MODE = "bpo"
 STATE_FILE = "bpo_allocation.json"  # the learned allocation state, in each verl checkpoint folder
 RESET_FAILURE_LIMIT = 0.5  # a step where more trees than this never started stops the run
@@ -95,15 +98,19 @@ def tree_metrics(uids: list[Any], extra_fields: list[Any]) -> dict[str, float]:
     return out
 
 
-def rollout_state(policy: ForkPolicy, sessions: int, extra_infos: list[Any],
-                  default_sandbox: Mapping[str, Any]) -> str:
-    """What every training row of a step carries to the agent loop (``STATE_KEY``): the run's allocation state for
-    the step's tasks (``extra_infos``: the rows' ``extra_info``) and the sessions verl runs per task."""
-    keys = set()
+def rollout_states(policy: ForkPolicy, sessions: int, extra_infos: list[Any],
+                   default_sandbox: Mapping[str, Any]) -> list[str]:
+    """What each training row of a step carries to the agent loop (``STATE_KEY``, one JSON string per row): the run's
+    allocation state with the cost of the row's own task only (``extra_infos``: the rows' ``extra_info``), and the
+    sessions verl runs per task. verl stores a row's fields with each of its outputs, so a row carries no more than
+    its own tree needs (a few kB: the profile is a few numbers per depth)."""
+    states = []
     for extra in extra_infos:
+        keys = set()
         with contextlib.suppress(ValueError, TypeError, KeyError):  # a row another agent loop runs: no task cost
             keys.add(row_task(extra, default_sandbox).key)
-    return json.dumps({"policy": policy.state_dict(task_keys=keys), "sessions": sessions})
+        states.append(json.dumps({"policy": policy.state_dict(task_keys=keys), "sessions": sessions}))
+    return states
 
 
 def learn_from_batch(policy: ForkPolicy, uids: list[Any], extra_fields: list[Any]) -> int:
@@ -183,11 +190,11 @@ class BPOTrainer(PPOTrainerSync):
     def _submit_batch_to_rollout(self, batch) -> int:
         rollout_n = self.config.actor_rollout_ref.rollout.n
         sessions = self.bpo_config.leaf_cap(rollout_n) if self._trees_bpo else rollout_n
-        if sessions > rollout_n:
-            batch["__rollout_n__"] = torch.full((len(batch),), sessions, dtype=torch.int64)
-        extras = column(batch, "extra_info") if "extra_info" in batch.keys() else []
-        state = rollout_state(self.fork_policy, sessions, extras, dataclasses.asdict(self.bpo_config.sandbox))
-        tu.assign_non_tensor_data(batch, STATE_KEY, state)
+        # Always set: the tree's session count and verl's must agree, whatever a dataset row carries.
+        batch["__rollout_n__"] = torch.full((len(batch),), sessions, dtype=torch.int64)
+        extras = column(batch, "extra_info") if "extra_info" in batch.keys() else [None] * len(batch)
+        states = rollout_states(self.fork_policy, sessions, extras, dataclasses.asdict(self.bpo_config.sandbox))
+        tu.assign_non_tensor_stack(batch, STATE_KEY, states)
         return super()._submit_batch_to_rollout(batch)
 
     def _get_required_batch_multiple(self, dp_size: int) -> int:
@@ -213,9 +220,11 @@ class BPOTrainer(PPOTrainerSync):
         return batch
 
     def _save_checkpoint(self):
-        super()._save_checkpoint()
+        # First: verl marks the checkpoint as the latest once its own parts are written, and a checkpoint marked
+        # latest must hold the state a resume needs.
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         save_allocation_state(self.fork_policy, folder)
+        super()._save_checkpoint()
 
     def _load_checkpoint(self):
         result = super()._load_checkpoint()
@@ -257,10 +266,14 @@ def save_allocation_state(policy: ForkPolicy, folder: str) -> None:
 
 
 def load_allocation_state(policy: ForkPolicy, folder: str) -> None:
-    """Continue ``policy`` from a checkpoint folder's state; a checkpoint without one (written before BPO ran, or by
-    a plain verl trainer) is an error, since starting the warm-up again would silently change the run."""
+    """Continue ``policy`` from a checkpoint folder's state. A checkpoint without one (written by a plain verl
+    trainer or an older verl-bpo) is an error for a learned allocation, since starting its warm-up again would
+    silently change the run; a run that learns nothing from it goes on."""
     path = os.path.join(folder, STATE_FILE)
     if not os.path.isfile(path):
+        if not policy.learned:
+            logger.warning("%s is missing; this run's allocation learns nothing from it, so it goes on", path)
+            return
         raise FileNotFoundError(
             f"{path} is missing: this checkpoint has no BPO allocation state. Resume from a checkpoint a BPO run "
             "wrote, or start a fresh run (trainer.resume_mode=disable)")

@@ -300,7 +300,7 @@ class EnginePool:
             return ""
         binding.process.stop(SandboxTimeout(
             f"{binding.process.name} was stopped: {name} ran past bpo.step_timeout_s={timeout_s:g} in it, and every "
-            "sandbox bound to that process ends its leaf; this leaf ends."))
+            "sandbox bound to that process ends its leaf."))
         with self._lock:
             if binding.process in self._live:
                 self._live.remove(binding.process)

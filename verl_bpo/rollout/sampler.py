@@ -277,22 +277,28 @@ class TreeSampler:
         except Exception as exc:
             logger.warning("tree %s: snapshot failed, node not forked: %r", self.tree.tree_id, exc)
             return []
-        siblings, seeds = [], []
+        siblings, seeds, box = [], [], None
         try:
             for _ in range(children - 1):
-                box, seed = self.make_sandbox(), self.rng.randrange(2**31)
+                box, seed = None, self.rng.randrange(2**31)
                 try:
+                    box = self.make_sandbox()
                     await self.calls("restore", box, "restore", snapshot, seed)
                 except Exception as exc:
                     logger.warning("tree %s: restore failed, one child fewer: %r", self.tree.tree_id, exc)
-                    await self.calls.close(box)
+                    if box is not None:
+                        await self.calls.close(box)
+                    box = None
                     continue
                 siblings.append(branch.copy_into(box))
                 seeds.append(seed)
-        except BaseException:
+                box = None
+        except BaseException:  # cancelled mid-fork: nothing restored so far may outlive the tree
             snapshot.close()
+            boxes = [b for b in (box, *(s.sandbox for s in siblings)) if b is not None]
+            await asyncio.shield(asyncio.gather(*(self.calls.close(b) for b in boxes), return_exceptions=True))
             raise
-        if siblings and self.config.step_retries and branch.sandbox.snapshot_kind not in CHEAP_SNAPSHOTS:
+        if siblings and self._retries_replay(branch.sandbox):
             anchor = Anchor(snapshot)  # ``branch``'s own sandbox is the one it was taken of: no seed
             for holder, seed in [(branch, None), *zip(siblings, seeds)]:
                 holder.hold(anchor, seed)
@@ -360,7 +366,7 @@ class TreeSampler:
         anchor restored, the actions since replayed), re-seeded with a fresh seed, with the same text: a fault that
         does not depend on the action then leaves the path distributed exactly as without it. Raises the last
         attempt's error when every attempt failed."""
-        if self.config.step_retries and branch.sandbox.snapshot_kind in CHEAP_SNAPSHOTS:
+        if self.config.step_retries and self._anchors_each_step(branch.sandbox):
             await self._anchor_before_step(branch)
         try:
             result = await self.calls("step", branch.sandbox, "step", text)
@@ -378,6 +384,19 @@ class TreeSampler:
             except Exception as exc:
                 error = exc
         raise error
+
+    def _anchors_each_step(self, sandbox: Sandbox) -> bool:
+        """A snapshot before every step: native snapshots always (the retry restores exactly that state), replay
+        snapshots where the engine is deterministic (their restore replays the episode)."""
+        kind = sandbox.snapshot_kind
+        return kind is SnapshotKind.NATIVE or (kind is SnapshotKind.REPLAY and type(sandbox).deterministic)
+
+    def _retries_replay(self, sandbox: Sandbox) -> bool:
+        """Retries from the fork's snapshot with the actions since replayed: only for a deterministic engine whose
+        snapshots are too costly to take at every step (a non-deterministic one would replay into a state the
+        agent never saw)."""
+        return (bool(self.config.step_retries) and type(sandbox).deterministic
+                and sandbox.snapshot_kind not in CHEAP_SNAPSHOTS)
 
     async def _anchor_before_step(self, branch: Branch) -> None:
         """A snapshot of the state before the next step becomes the branch's anchor. If it fails, the older anchor

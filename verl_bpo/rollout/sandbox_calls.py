@@ -10,9 +10,11 @@ loop directly.
 
 Time limit. ``bpo.step_timeout_s`` starts when the call starts running, not while it waits for a thread or for its
 engine (below), so a busy worker never turns a slow queue into failed leaves. A call that runs past it raises
-:class:`~sandbox_adapters.base.SandboxTimeout`, which fails one leaf; its sandbox is quarantined (never called
-again, and closed on a thread of its own without waiting, which for process-backed sandboxes kills the hung
-command; at most ``MAX_CLOSE_THREADS`` such closes run at once, a sandbox beyond that is left open and logged).
+:class:`~sandbox_adapters.base.SandboxTimeout` (the sampler retries the step on a rebuilt sandbox); its sandbox
+is quarantined (never called again, and closed on a thread of its own without waiting, which for process-backed
+sandboxes kills the hung command; at most ``MAX_CLOSE_THREADS`` such closes run at once, a sandbox beyond that is
+left open and logged; a sandbox of a retired engine class is closed by the hung call's own thread when that call
+returns, since closing it earlier would enter the engine beside the hung call).
 
 Hung calls. Python cannot stop a thread, so a call past its limit is abandoned and its thread counts as *lost*: it
 may never return. The executor starts a replacement for it, but never holds more than ``MAX_CALL_THREADS`` live
@@ -137,7 +139,8 @@ class SandboxCalls:
             raise SandboxTimeout(
                 f"{name} ran for {self.timeout_s:g} s without returning (bpo.step_timeout_s={self.timeout_s:g}; "
                 f"counted from when it started, after {waited:.2f} s waiting for {waits_for}). The sandbox is "
-                f"quarantined (never called again) and this leaf ends.{consequence}"
+                "quarantined (never called again) and the step fails (the sampler retries it on a rebuilt "
+                f"sandbox).{consequence}"
             ) from None
         finally:
             if job.began is not None:  # a call that never ran is not timed; a hung one counts its limit
@@ -145,21 +148,23 @@ class SandboxCalls:
                 self.seconds[kind].append(ended - job.began)
 
     async def close(self, sandbox: Sandbox) -> None:
-        """Close ``sandbox``, best effort (the leaf is already final). A quarantined sandbox is closed on its own
-        thread without waiting: its hung call may never return."""
+        """Close ``sandbox``, best effort (the leaf is already final). A quarantined sandbox of a thread-safe class
+        is closed on its own thread without waiting: its hung call may never return. A non-thread-safe class's
+        sandbox never closes beside another call of its class: while the class is retired, the hung call's thread
+        closes it when that call returns; otherwise it is closed through the class's gate like any call (its own
+        hung call, if it had one, has returned)."""
         cls = type(sandbox)
         pool = self._pool(cls)
         if pool is not None and pool.bound(sandbox) and (sandbox in self._quarantined or pool.stopped(sandbox)):
             pool.forget(sandbox)  # its engine process was killed: nothing is left to close
             return
+        if not cls.thread_safe and cls.blocking and _engine_gate(cls).defer_close(sandbox):
+            return
         if sandbox in self._quarantined:
-            _close_in_background(sandbox)
-            return
-        hung = None if cls.thread_safe else hung_engine(cls)
-        if hung is not None:  # closing enters the engine too: the sandbox is left to the garbage collector
-            logger.warning("a %s is left open: %s may still be running inside its engine (calls of the class fail "
-                           "until it returns)", cls.__name__, hung)
-            return
+            if cls.thread_safe:
+                _close_in_background(sandbox)
+                return
+            self._quarantined.discard(sandbox)  # its hung call returned: closing it is an ordinary call now
         try:
             await self("close", sandbox, "close")
         except Exception:
@@ -291,7 +296,7 @@ class CallExecutor:
         return SandboxTimeout(
             f"{job.name} was not called: every sandbox call thread of this process ({self._live}, the cap "
             f"MAX_CALL_THREADS={self.max_threads}) is held by a call that ran past bpo.step_timeout_s and has not "
-            "returned, so no thread is left to run it; this leaf ends. Calls run again once hung calls return.")
+            "returned, so no thread is left to run it; the step fails. Calls run again once hung calls return.")
 
     def _start_threads(self) -> None:
         # a thread for each queued call no idle thread will take, while healthy threads are few and the cap allows
@@ -363,6 +368,7 @@ class _EngineGate:
         self._waiters: collections.deque[tuple[object, asyncio.AbstractEventLoop, asyncio.Future]] = (
             collections.deque())
         self.hung: str | None = None  # the call that retired the class, while it runs
+        self._closes: list[Sandbox] = []  # sandboxes to close when the hung call returns (it still holds the gate)
 
     async def acquire(self, name: str, timeout_s: float) -> object:
         """A token for :meth:`release` once this call may enter the engine; SandboxTimeout while retired."""
@@ -389,11 +395,24 @@ class _EngineGate:
             raise
         return token
 
+    def defer_close(self, sandbox: Sandbox) -> bool:
+        """While the class is retired: close ``sandbox`` when the hung call returns, still inside the gate (closing
+        enters the engine too). False when it is not retired."""
+        with self._lock:
+            if self.hung is None:
+                return False
+            self._closes.append(sandbox)
+            return True
+
     def release(self, token: object) -> None:
         """The call holding ``token`` has returned: nothing is inside the engine; hand it to the next waiter."""
         with self._lock:
             if self._holder is not token:
                 return
+            closes, self._closes = self._closes, []
+        for sandbox in closes:  # still holding the gate: nothing else is inside the engine
+            _close_quietly(sandbox)
+        with self._lock:
             self._holder, self.hung = None, None
             while self._waiters:
                 self._holder, loop, granted = self._waiters.popleft()
@@ -424,7 +443,7 @@ class _EngineGate:
             f"{name} was not called: {cls} is not thread-safe (its engine state is shared by the whole process) and "
             f"an earlier call, {self.hung}, ran past bpo.step_timeout_s={timeout_s:g} and may still be running inside "
             f"it. No call may enter {cls} beside it, so calls of {cls} in this process fail at once until it "
-            "returns; this leaf ends.")
+            "returns; the step fails.")
 
 
 _GATES: dict[type, _EngineGate] = {}
