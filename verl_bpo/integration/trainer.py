@@ -104,12 +104,15 @@ def rollout_states(policy: ForkPolicy, sessions: int, extra_infos: list[Any],
     allocation state with the cost of the row's own task only (``extra_infos``: the rows' ``extra_info``), and the
     sessions verl runs per task. verl stores a row's fields with each of its outputs, so a row carries no more than
     its own tree needs (a few kB: the profile is a few numbers per depth)."""
+    shared = policy.state_dict(task_keys=())  # the same for every row: built once per step
     states = []
     for extra in extra_infos:
-        keys = set()
+        costs = {}
         with contextlib.suppress(ValueError, TypeError, KeyError):  # a row another agent loop runs: no task cost
-            keys.add(row_task(extra, default_sandbox).key)
-        states.append(json.dumps({"policy": policy.state_dict(task_keys=keys), "sessions": sessions}))
+            key = row_task(extra, default_sandbox).key
+            if key in policy.task_costs:
+                costs[key] = policy.task_costs[key]
+        states.append(json.dumps({"policy": {**shared, "task_costs": costs}, "sessions": sessions}))
     return states
 
 
