@@ -82,6 +82,9 @@ bpo_recipe() {
     actor_rollout_ref.rollout.enable_prefix_caching=True
 
     bpo.k="$BPO_K"
+    # Packed trees (each shared token trained once) need Ulysses sequence parallelism off; with SP_SIZE > 1 the
+    # actor trains one row per leaf (the same gradient, more trainer tokens).
+    bpo.packed="$( [ "$SP_SIZE" -gt 1 ] && echo false || echo true )"
     bpo.max_turns="$MAX_TURNS"
     bpo.max_tokens_per_turn="$MAX_TOKENS_PER_TURN"
     bpo.step_timeout_s="$STEP_TIMEOUT_S"

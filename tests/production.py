@@ -31,6 +31,7 @@ from verl_bpo.integration.actor_loss import actor_loss
 from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.integration.agent_loop import STATE_KEY, BPOTreeAgentLoop
 from verl_bpo.integration.batch_layout import minibatch_rows
+from verl_bpo.integration.packed_rows import pack_rows, packed_advantages, packed_mask
 from verl_bpo.integration.trainer import batch_tree_call, learn_from_batch, rollout_states
 from verl_bpo.oracle.mdp import TabularMDP, exact_gradient, problem
 from verl_bpo.oracle.policy import TabularCodec, TabularPolicy
@@ -55,6 +56,7 @@ class Case:
     batch_trees: int = 64
     sandbox: str = "tabular"  # the registered sandbox: the tabular one, or a (fault-injecting) subclass of it
     sandbox_config: dict = dataclasses.field(default_factory=dict)  # its Config keys beyond the problem's
+    packed: bool = False  # the actor trains packed trees (bpo.packed): one row per tree, each token once
 
     @property
     def mdp_theta(self) -> tuple[TabularMDP, np.ndarray]:
@@ -167,6 +169,40 @@ def to_rows(grown: list[tuple[str, list]], pad_multiple: int) -> Batch:
                  tree_of_row=np.array([index.get(u, -1) for u in uids]), trees=trees)
 
 
+def to_packed(batch: Batch, advantages: torch.Tensor, pad_multiple: int) -> Batch:
+    """The BPO trainer's packed rows (``bpo.packed``, verl_bpo/integration/packed_rows.py) of a leaf batch: one row
+    per tree with its copies' summed advantages times packed rows / leaf rows, padded to ``pad_multiple`` rows."""
+    rows = lambda t: [r.numpy() for r in t]  # noqa: E731
+    lengths = [int(e["bpo"]["turn_spans"][-1][1]) if not u.startswith("pad") else 1
+               for u, e in zip(batch.uids, batch.extra_fields)]
+    responses = [r[:n] for r, n in zip(rows(batch.responses), lengths)]
+    grouped = pack_rows(batch.uids, batch.extra_fields, rows(batch.prompts), responses)
+    n_packed = len(grouped) + (-len(grouped) % pad_multiple)
+    scale = n_packed / len(batch.uids)
+    adv = [a[:n] for a, n in zip(rows(advantages.double()), lengths)]
+    masks = [m[:n] for m, n in zip(rows(batch.response_mask), lengths)]
+    uids, prompts, responses_p, masks_p, adv_p = [], [], [], [], []
+    for uid, idx, tree in grouped:
+        uids.append(uid)
+        prompts.append(torch.as_tensor(tree.input_ids[:tree.prompt_len]))
+        responses_p.append(torch.as_tensor(tree.input_ids[tree.prompt_len:]))
+        masks_p.append(torch.as_tensor(packed_mask(tree, [masks[i] for i in idx]), dtype=torch.int64))
+        adv_p.append(torch.as_tensor(packed_advantages(tree, [adv[i] for i in idx], scale)))
+    while len(uids) < n_packed:
+        uids.append(f"pad{len(uids)}")
+        prompts.append(prompts[0])
+        responses_p.append(responses_p[0][:1])
+        masks_p.append(torch.zeros(1, dtype=torch.int64))
+        adv_p.append(torch.zeros(1, dtype=torch.float64))
+    pad = torch.nn.utils.rnn.pad_sequence
+    index = {t: i for i, t in enumerate(batch.trees)}
+    packed = Batch(uids, [{}] * len(uids), pad(prompts, batch_first=True), pad(responses_p, batch_first=True),
+                   pad(masks_p, batch_first=True), torch.zeros(len(uids), 1), trees=batch.trees,
+                   tree_of_row=np.array([index.get(u, -1) for u in uids]))
+    packed.advantages = pad(adv_p, batch_first=True).float()
+    return packed
+
+
 def advantages(case: Case, batch: Batch) -> torch.Tensor:
     """The BPO trainer's advantage step: batch_tree_call around verl's compute_advantage_for_multi_trajectories."""
     config = trainer_config(case)
@@ -232,12 +268,20 @@ def run_case(case: Case, tokenizer, n_trees: int, seed: int,
         batch = to_rows(grown, pad_multiple=case.dp_size * 4)
         learn_from_batch(policy, batch.uids, batch.extra_fields)  # as the BPO trainer learns after each rollout
         adv = advantages(case, batch)
-        grads.append(tree_gradients(case, batch))
+        grads.append(train(case, batch, adv))
         for name, control in (controls or {}).items():
-            control_grads[name].append(tree_gradients(case, batch, control(batch, adv)))
+            control_grads[name].append(train(case, batch, control(batch, adv)))
         if len(batches) < 4:
             batches.append(batch)
     return (np.concatenate(grads), {k: np.concatenate(v) for k, v in control_grads.items()}, batches)
+
+
+def train(case: Case, batch: Batch, advantages: torch.Tensor) -> np.ndarray:
+    """Per-tree gradients of the rows the actor trains: the leaf rows, or their packed trees."""
+    if case.packed:
+        packed = to_packed(batch, advantages, pad_multiple=case.dp_size)
+        return tree_gradients(case, packed)
+    return tree_gradients(case, batch, advantages)
 
 
 def z_scores(grads: np.ndarray, truth: np.ndarray) -> np.ndarray:

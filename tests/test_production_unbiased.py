@@ -32,8 +32,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.production import Case, bonferroni, run_case, z_scores
-from tests.production import tree_gradients as through_verls_loss
+import dataclasses
+
+from tests.production import Case, bonferroni, run_case, train, z_scores
 from verl_bpo.core.leaf_meta import LeafMeta
 from verl_bpo.demo.tiny_model import build_tiny_model
 from verl_bpo.oracle.estimates import tree_gradients
@@ -97,10 +98,12 @@ def uniform_leaf_weights(batch, adv):
     return adv * torch.as_tensor(per_row, dtype=adv.dtype)[:, None]
 
 
-def test_each_trees_gradient_through_verls_loss_is_exactly_its_tree_gradient(tokenizer):
+@pytest.mark.parametrize("packed", [False, True], ids=["leaf_rows", "packed"])
+def test_each_trees_gradient_through_verls_loss_is_exactly_its_tree_gradient(packed, tokenizer):
     """Under-filled trees, failed leaves and verl's padding rows: the loss normalises every tree exactly (to the
-    float32 precision of verl's advantages), so the batch gradient is (1/B) Σ_trees Σ_e W_e A_e ∇log π."""
-    case = CASES["gamma1-topB-failures"]
+    float32 precision of verl's advantages), so the batch gradient is (1/B) Σ_trees Σ_e W_e A_e ∇log π; the same
+    through the packed rows (each shared token once, its copies' advantages summed)."""
+    case = dataclasses.replace(CASES["gamma1-topB-failures"], packed=packed)
     _, _, batches = run_case(case, tokenizer, n_trees=2 * case.batch_trees, seed=11)
     mdp, theta = case.mdp_theta
     for batch in batches:
@@ -115,7 +118,7 @@ def test_each_trees_gradient_through_verls_loss_is_exactly_its_tree_gradient(tok
                 by_tree.setdefault(uid, []).append(_leaf(extra, prompt, response, mask))
         expected = tree_gradients(theta, [by_tree[t] for t in batch.trees], TabularCodec(mdp), case.bpo_config(),
                                   case.gamma)
-        np.testing.assert_allclose(through_verls_loss(case, batch), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(train(case, batch, batch.advantages), expected, rtol=1e-5, atol=1e-6)
 
 
 def _leaf(extra: dict, prompt: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> Leaf:
@@ -128,14 +131,17 @@ def _leaf(extra: dict, prompt: torch.Tensor, response: torch.Tensor, mask: torch
     return Leaf(transcript, meta, float(sum(meta.turn_rewards)))
 
 
-@pytest.mark.parametrize("name,control", [
-    ("gamma1-topB-failures", "realised_leaves"),
-    ("gamma0.9-quantile-probe-failures", None),
-    ("unbalanced-failures", "uniform_leaf_weights"),
-    ("learned-turn-budget-failures", None),
+@pytest.mark.parametrize("name,control,packed", [
+    ("gamma1-topB-failures", "realised_leaves", False),
+    ("gamma0.9-quantile-probe-failures", None, False),
+    ("unbalanced-failures", "uniform_leaf_weights", False),
+    ("learned-turn-budget-failures", None, False),
+    ("gamma1-topB-failures", "realised_leaves", True),
+    ("learned-turn-budget-failures", None, True),
 ])
-def test_production_gradient_is_unbiased_and_its_negative_control_is_caught(name, control, tokenizer):
-    case = CASES[name]
+def test_production_gradient_is_unbiased_and_its_negative_control_is_caught(name, control, packed, tokenizer):
+    """Each case through verl's loss on the leaf rows; two also on the packed rows (``bpo.packed``)."""
+    case = dataclasses.replace(CASES[name], packed=packed)
     controls = {"realised_leaves": realised_leaf_weighting(case.n), "uniform_leaf_weights": uniform_leaf_weights}
     grads, control_grads, batches = run_case(case, tokenizer, TREES, seed=3,
                                              controls={control: controls[control]} if control else {})

@@ -125,6 +125,13 @@ class BPOConfig:
             approximation PPO and GRPO make; ``exact`` keeps it (the exact discounted policy gradient).
         epsilon: added to the standard deviation under ``scale=group_std``. Default 1e-6 (verl's GRPO value).
 
+    Training:
+        packed: the actor trains each tree as one packed row of its unique tokens (``verl_bpo.core.packing``): a
+            token above a fork is forwarded and back-propagated once, not once per leaf below it, with the same
+            loss and gradient as one row per leaf. ``false`` trains one row per leaf (for comparison). Needs
+            ``attn_implementation`` sdpa or a flash-attention kernel, the ``vanilla`` policy loss and no Ulysses
+            sequence parallelism (refused before Ray otherwise). Default true.
+
     sandbox: the default :class:`SandboxSpec`.
     tree_log: a JSON-lines file the BPO trainer appends each training step's first tree to (its leaves' metadata,
         returns, outcomes and the tree's metrics), for pictures and debugging; ``null`` (default) = none.
@@ -157,6 +164,7 @@ class BPOConfig:
     scale: str = "none"
     discount_weighting: str = "segment"
     epsilon: float = 1e-6
+    packed: bool = True
     sandbox: SandboxSpec = dataclasses.field(default_factory=SandboxSpec)
     tree_log: Optional[str] = None
 

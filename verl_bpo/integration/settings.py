@@ -35,6 +35,7 @@ from sandbox_adapters.registry import (
 from verl_bpo.core.config import ROLLOUT_N, BPOConfig, SandboxSpec
 from verl_bpo.integration.agent_loop import AGENT_NAME
 from verl_bpo.integration.estimator import ESTIMATOR_NAME
+from verl_bpo.integration.stock_launch import TRAINER_ENV, TRAINER_ENV_KEY
 
 __all__ = ["register_schema", "read_bpo_config", "prepare_config", "AGENT_LOOPS_YAML", "TREE_LOSS_AGG_MODES",
            "DATA_FILE_KEYS"]
@@ -77,6 +78,11 @@ def prepare_config(config: DictConfig) -> BPOConfig:
         )
     if estimator == ESTIMATOR_NAME:
         _check_tree_training(config, bpo)
+        if bpo.packed:
+            _check_packing(config)
+        # Every Ray process of the run imports the plugin; with this variable it also installs the engine that
+        # trains packed tree rows in the actor workers (verl_bpo/integration/plugin.py).
+        OmegaConf.update(config, TRAINER_ENV_KEY, "1", force_add=True)
     bpo.for_estimator(estimator).check_leaves(rollout.n)
     default_spec = dataclasses.asdict(bpo.sandbox)
     _check_sandbox(default_spec, bpo, "bpo.sandbox")
@@ -145,6 +151,30 @@ def _check_tree_training(config: DictConfig, bpo: BPOConfig) -> None:
             "KL averaged over leaf rows with equal weight, which is biased on a tree; set algorithm.kl_ctrl.type="
             "fixed (and choose algorithm.kl_ctrl.kl_coef)"
         )
+
+
+def _check_packing(config: DictConfig) -> None:
+    """Settings the packed tree rows (``bpo.packed``, verl_bpo/core/packing.py) cannot honour."""
+    ref = config.actor_rollout_ref
+    off = "or set bpo.packed=false (one row per leaf, the same gradient at more trainer tokens)"
+    for role in ("actor", "ref"):
+        sp = OmegaConf.select(ref, f"{role}.ulysses_sequence_parallel_size", default=1) or 1
+        if sp > 1:
+            raise ValueError(
+                f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size={sp}: a packed tree's attention follows "
+                f"its branches, which Ulysses' all-to-all over sequence shards does not; set it to 1 {off}")
+    loss_mode = OmegaConf.select(ref, "actor.policy_loss.loss_mode", default="vanilla")
+    if loss_mode != "vanilla":
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}: a packed tree trains each shared token once "
+            "with the sum of its copies' advantages, exact only for a per-token loss that is positively homogeneous "
+            f"in the advantage (vanilla PPO-clip, with or without dual-clip); set it to vanilla {off}")
+    attn = OmegaConf.select(ref, "model.override_config.attn_implementation", default=None)
+    if attn == "eager":
+        raise ValueError(
+            "actor_rollout_ref.model.override_config.attn_implementation=eager: packed trees replace the attention "
+            f"through transformers' attention registry, which eager attention bypasses; use sdpa or "
+            f"flash_attention_2 {off}")
 
 
 def _check_minibatches(config: DictConfig) -> None:

@@ -35,13 +35,14 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["STOCK_LAUNCH_ENV", "TRAINER_ENV", "CALLBACK_OVERRIDE", "StockLaunch", "hook_stock_main_ppo",
+__all__ = ["STOCK_LAUNCH_ENV", "TRAINER_ENV", "TRAINER_ENV_KEY", "CALLBACK_OVERRIDE", "StockLaunch", "hook_stock_main_ppo",
            "stock_main_ppo_args", "prepare_stock_config"]
 
 STOCK_LAUNCH_ENV = "VERL_BPO_STOCK_LAUNCH"
 CALLBACK_OVERRIDE = "++hydra.callbacks.verl_bpo._target_=verl_bpo.integration.stock_launch.StockLaunch"
 TRAINER_ENV = "VERL_BPO_TRAINER"  # "1" in the Ray workers of a BPO run: the plugin imports (registers) BPOTrainer
 _ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
+TRAINER_ENV_KEY = f"{_ENV_VARS_KEY}.{TRAINER_ENV}"  # where a config hands it to every Ray process
 _BPO_TRAINER_YAML = Path(__file__).parent / "config" / "bpo_trainer.yaml"
 
 
@@ -170,10 +171,9 @@ def prepare_stock_config(config: DictConfig) -> list[str]:
     if mode != TRAINER_MODE:
         OmegaConf.update(config, "trainer.v1.trainer_mode", TRAINER_MODE)
         changes.append(f"trainer.v1.trainer_mode={TRAINER_MODE}")
-    env_key = f"{_ENV_VARS_KEY}.{TRAINER_ENV}"
-    if str(_select(config, env_key)) != "1":
-        OmegaConf.update(config, env_key, "1", force_add=True)
-        changes.append(f"{env_key}=1")
+    if str(_select(config, TRAINER_ENV_KEY)) != "1":
+        OmegaConf.update(config, TRAINER_ENV_KEY, "1", force_add=True)
+        changes.append(f"{TRAINER_ENV_KEY}=1")
     path_key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
     had_path = bool(_select(config, path_key))
     prepare_config(config)

@@ -58,6 +58,7 @@ from verl_bpo.core.profile import TreeRecord
 from verl_bpo.integration.agent_loop import STATE_KEY, TREE_METRICS_KEY, TREE_RECORD_KEY, row_task
 from verl_bpo.integration.batch_layout import batch_multiple, minibatch_rows, rows_per_tree
 from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
+from verl_bpo.integration.packed_rows import PackedBatch
 from verl_bpo.integration.settings import read_bpo_config
 
 __all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "STATE_FILE", "tree_metrics", "rollout_states",
@@ -181,10 +182,16 @@ class BPOTrainer(PPOTrainerSync):
         estimator = config.algorithm.adv_estimator
         self.bpo_config = read_bpo_config(config.get("bpo")).for_estimator(estimator)
         self.fork_policy = ForkPolicy(self.bpo_config)  # the run's one learned allocation state
+        self._packed: PackedBatch | None = None  # this step's packed rows (bpo.packed)
 
     @property
     def _trees_bpo(self) -> bool:
         return self.config.algorithm.adv_estimator == ESTIMATOR_NAME
+
+    @property
+    def _packs(self) -> bool:
+        """The actor trains packed trees (``bpo.packed``, :mod:`~verl_bpo.integration.packed_rows`)."""
+        return self._trees_bpo and self.bpo_config.packed
 
     @property
     def _minibatches(self) -> int:
@@ -201,8 +208,45 @@ class BPOTrainer(PPOTrainerSync):
         return super()._submit_batch_to_rollout(batch)
 
     def _get_required_batch_multiple(self, dp_size: int) -> int:
+        if self._packs:  # one packed row per tree (padded to the ranks), one mini-batch
+            return dp_size
         multiple = super()._get_required_batch_multiple(dp_size)
         return batch_multiple(multiple, self._minibatches, dp_size) if self._trees_bpo else multiple
+
+    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+        if not self._packs:
+            return super()._balance_batch(batch, metrics, logging_prefix, keep_minibatch)
+        # The leaf rows never reach the actor: pack them, then let verl balance the trees across its ranks.
+        wg = self.actor_rollout_wg
+        if "actor" not in wg._dispatch_info:
+            wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
+        dp_size = max(wg._dispatch_info["actor"]) + 1
+        self._packed = PackedBatch.build(batch, dp_size, self.tokenizer.eos_token_id, self._micro_batch_tokens)
+        metrics.update(self._packed.metrics())
+        self._packed.meta = super()._balance_batch(self._packed.meta, metrics, logging_prefix, keep_minibatch)
+        return batch
+
+    @property
+    def _micro_batch_tokens(self) -> int:
+        """Tokens per actor micro-batch: the configured budget, or the leaf layout's micro-batch at full length."""
+        actor, data = self.config.actor_rollout_ref.actor, self.config.data
+        if actor.get("use_dynamic_bsz", False):
+            return int(actor.ppo_max_token_len_per_gpu)
+        return int(actor.ppo_micro_batch_size_per_gpu) * int(data.max_prompt_length + data.max_response_length)
+
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        if not self._packs:
+            return super()._compute_old_log_prob(batch, metrics)
+        super()._compute_old_log_prob(self._packed.fresh_meta(), metrics)
+        self._packed.to_leaves("old_log_probs")  # verl's KL-in-reward and metrics read them on the leaf rows
+        return batch
+
+    def _compute_ref_log_prob(self, batch, metrics: dict):
+        if not self._packs:
+            return super()._compute_ref_log_prob(batch, metrics)
+        super()._compute_ref_log_prob(self._packed.fresh_meta(), metrics)
+        self._packed.to_leaves("ref_log_prob")
+        return batch
 
     def _compute_advantage(self, batch, metrics: dict):
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "extra_fields"])
@@ -220,6 +264,8 @@ class BPOTrainer(PPOTrainerSync):
         with batch_tree_call(uids, extra_fields, bpo_config) as call:
             batch = super()._compute_advantage(batch, metrics)
         metrics.update(call["stats"])
+        if self._packs:
+            self._packed.from_leaves()
         return batch
 
     def _save_checkpoint(self):
@@ -241,8 +287,16 @@ class BPOTrainer(PPOTrainerSync):
     def _update_actor(self, batch, metrics: dict):
         if not self._trees_bpo:
             return super()._update_actor(batch, metrics)
-        with self._minibatch_rows(minibatch_rows(len(batch), self._minibatches)):
-            return super()._update_actor(batch, metrics)
+        if not self._packs:
+            with self._minibatch_rows(minibatch_rows(len(batch), self._minibatches)):
+                return super()._update_actor(batch, metrics)
+        packed, self._packed = self._packed, None
+        try:
+            with self._minibatch_rows(len(packed.meta)):
+                super()._update_actor(packed.fresh_meta(), metrics)
+        finally:
+            packed.clear()
+        return batch
 
     @contextlib.contextmanager
     def _minibatch_rows(self, rows: int) -> Iterator[None]:
