@@ -456,6 +456,13 @@ MORE_BAD_SETTINGS = [
      r"step per batch .*set actor_rollout_ref\.actor\.ppo_mini_batch_size=1024"),
     (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
       "actor_rollout_ref.actor.shuffle=True"], r"ppo_mini_batch_size=4 with data\.train_batch_size=8"),
+    # packed trees (bpo.packed, the default)
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+     r"actor_rollout_ref\.actor\.ulysses_sequence_parallel_size=2: a packed tree.*set bpo\.packed=false"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
+     r"actor_rollout_ref\.actor\.policy_loss\.loss_mode=gspo: .*positively homogeneous.*set bpo\.packed=false"),
+    (["++actor_rollout_ref.model.override_config.attn_implementation=eager"],
+     r"attn_implementation=eager: .*sdpa or flash_attention_2"),
 ]
 
 
@@ -471,6 +478,7 @@ def test_settings_the_workers_or_the_trainer_would_refuse_late_fail_now(compose_
     ["algorithm.use_kl_in_reward=False", "algorithm.kl_ctrl.type=adaptive"],  # no controller is built
     ["actor_rollout_ref.actor.shuffle=True", "actor_rollout_ref.actor.ppo_epochs=2"],  # one mini-batch: harmless
     ["trainer.balance_batch=True"],  # v1 ignores it (and balances anyway): harmless with one mini-batch
+    ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "bpo.packed=false"],  # leaf rows: any SP
     ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
      "algorithm.kl_ctrl.type=adaptive", "algorithm.use_kl_in_reward=True"],  # flat groups: verl's own rules
 ])

@@ -50,7 +50,10 @@ FAILED = "failed"
 @pytest.fixture(scope="module", autouse=True)
 def verl_process(tmp_path_factory: pytest.TempPathFactory):
     """What a verl worker process has: one data-parallel group (here of one rank, gloo), the engine on the CPU,
-    and the hooks of :func:`install`; the registries it changes are restored afterwards."""
+    and the hooks of :func:`install`; the registries it changes are restored afterwards. One intra-op thread: the
+    tensors are tiny, and a thread pool stalls for seconds on a machine whose cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(AttentionInterface, "_global_mapping", dict(AttentionInterface._global_mapping))
         mp.setattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", dict(ALL_ATTENTION_FUNCTIONS._local_mapping))
@@ -70,6 +73,7 @@ def verl_process(tmp_path_factory: pytest.TempPathFactory):
         finally:
             if owned:
                 torch.distributed.destroy_process_group()
+            torch.set_num_threads(threads)
 
 
 def tiny_qwen2() -> Qwen2ForCausalLM:

@@ -1,4 +1,5 @@
-"""End to end: `python -m verl_bpo.main` trains 2 steps with `bpo` (trees) and 2 with `grpo` (flat groups) on CPU,
+"""End to end: `python -m verl_bpo.main` trains 2 steps with `bpo` (trees, packed: each tree one row of its unique
+tokens) and 2 with `grpo` (flat groups) on CPU,
 and 2 with `bpo` under the learned allocation and a turn budget on the CPU demo's late-decision task (trees with
 more leaves than `rollout.n`).
 
@@ -64,6 +65,9 @@ def test_bpo_trains_on_trees_and_grpo_on_flat_groups_through_verl_bpo_main(setup
         assert bpo[step]["bpo/leaves"] == N and grpo[step]["bpo/leaves"] == N  # N leaves per uid
         assert bpo[step]["bpo/forks"] >= 1 and grpo[step]["bpo/forks"] == 0
         assert "bpo/sibling_groups" in bpo[step] and "bpo/snapshot_ms" in bpo[step]
+        # bpo.packed (the default): the actor trained each tree as one row of its unique tokens
+        assert bpo[step]["bpo/trained_tokens"] < 0.8 * bpo[step]["bpo/trained_tokens_leaf_layout"]
+        assert "bpo/trained_tokens" not in grpo[step]
     # Shared prefixes: the trees generated fewer turns than flat groups of the same N leaves.
     assert sum(bpo[s]["bpo/env_steps"] for s in (1, 2)) < sum(grpo[s]["bpo/env_steps"] for s in (1, 2))
     for name, metrics in (("bpo", bpo), ("grpo", grpo)):
@@ -119,6 +123,7 @@ def test_a_turn_budget_tree_brings_every_leaf_into_verls_batch(late_setup):
                     "actor_rollout_ref.rollout.val_kwargs.do_sample=True", "trainer.resume_mode=disable")
     rows = [metrics[s]["bpo/trainer_rows"] for s in (1, 2)]
     assert rows[1] > N, f"the allocated trees of step 2 grew no more leaves than rollout.n: {rows}"
+    assert all(metrics[s]["bpo/trained_tokens"] < metrics[s]["bpo/trained_tokens_leaf_layout"] for s in (1, 2))
     assert all(metrics[s]["bpo/leaves"] <= 3 * N for s in (1, 2))
     assert max(metrics[s]["actor/grad_norm"] for s in (1, 2)) > 0
     assert any(k.startswith("val-core/") for step in metrics.values() for k in step), "no validation logged"

@@ -24,13 +24,9 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from verl_bpo.integration import tree_attention
-from verl_bpo.integration.packed_rows import LAYOUT_FIELDS
+from verl_bpo.integration.packed_rows import LAYOUT_FIELDS, row_arrays
 
 __all__ = ["FSDPEngineWithPackedTrees", "micro_batch_plan", "install"]
-
-
-def _rows(value: torch.Tensor) -> list[np.ndarray]:
-    return [t.cpu().numpy() for t in value.unbind()] if value.is_nested else [r.cpu().numpy() for r in value]
 
 
 def micro_batch_plan(micro_batch, *, padded: bool, extra_positions: int = 0,
@@ -38,7 +34,7 @@ def micro_batch_plan(micro_batch, *, padded: bool, extra_positions: int = 0,
     """The tree attention plan of a micro-batch of packed rows, over the flat positions verl feeds the model:
     row b's token t at ``b · T_max + t`` (padded rows) or at the row's offset in the concatenated sequence (remove
     padding, followed by ``extra_positions`` of verl's static padding)."""
-    seg_rows, par_rows, key_rows = (_rows(micro_batch[f]) for f in LAYOUT_FIELDS)
+    seg_rows, par_rows, key_rows = (row_arrays(micro_batch[f]) for f in LAYOUT_FIELDS)
     lengths = [len(s) for s in seg_rows]
     if padded:
         width = max(lengths)

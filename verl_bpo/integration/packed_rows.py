@@ -40,7 +40,8 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl_bpo.core.leaf_meta import META_KEY, LeafMeta, is_padding_uid
 from verl_bpo.core.packing import LeafTokens, PackedTree, pack_tree
 
-__all__ = ["LAYOUT_FIELDS", "PackedBatch", "pack_rows", "packed_advantages", "packed_mask", "packed_fields", "nested"]
+__all__ = ["LAYOUT_FIELDS", "PackedBatch", "pack_rows", "packed_advantages", "packed_mask", "packed_fields", "nested",
+           "row_arrays"]
 
 # Per-token fields of a packed row (the length of input_ids): the token's segment, its segment's parent segment
 # (-1 for the prompt), 1 where the token is a key (0 on bridges). Row-local ids.
@@ -54,7 +55,7 @@ def nested(values: Sequence[np.ndarray | torch.Tensor], dtype: torch.dtype) -> t
                                          layout=torch.jagged)
 
 
-def _rows(value: Any) -> list[np.ndarray]:
+def row_arrays(value: Any) -> list[np.ndarray]:
     """Per row, a 1-D numpy array of a nested (or padded) per-token field."""
     def numpy(t: torch.Tensor) -> np.ndarray:  # bfloat16 (verl's log-probs under autocast) -> float32, exactly
         t = t.detach().cpu()
@@ -150,8 +151,9 @@ class PackedBatch:
         part = leaf_batch.partition_id
         data = tq.kv_batch_get(keys=leaf_batch.keys, partition_id=part)
         uids, extras = _column(data, "uid"), _column(data, "extra_fields")
-        prompts, responses, masks = _rows(data["prompts"]), _rows(data["responses"]), _rows(data["response_mask"])
-        logps = _rows(data["rollout_log_probs"]) if "rollout_log_probs" in data.keys() else None
+        prompts, responses = row_arrays(data["prompts"]), row_arrays(data["responses"])
+        masks = row_arrays(data["response_mask"])
+        logps = row_arrays(data["rollout_log_probs"]) if "rollout_log_probs" in data.keys() else None
 
         trees, keys, samples, tags, leaf_index, leaf_lens = [], [], [], [], [], []
         grouped = pack_rows(uids, extras, prompts, responses)
@@ -196,7 +198,7 @@ class PackedBatch:
         return self.meta
 
     @property
-    def leaf_rows(self) -> int:
+    def leafrow_arrays(self) -> int:
         return len(self.leaf_batch.keys)
 
     def metrics(self) -> dict[str, float]:
@@ -213,7 +215,7 @@ class PackedBatch:
         """Copy a per-response-token field (old or reference log-probs) from the packed rows onto the leaf rows."""
         data = tq.kv_batch_get(keys=self.packed_key, partition_id=self.meta.partition_id, select_fields=[field])
         dtype = data[field].dtype
-        packed = _rows(data[field])
+        packed = row_arrays(data[field])
         keys, values = [], []
         for tree, rows, lens, value in zip(self.trees, self.leaf_index, self.leaf_lens, packed):
             keys.extend(self.leaf_batch.keys[i] for i in rows)
@@ -226,7 +228,7 @@ class PackedBatch:
         weights (if any) onto the packed rows."""
         part = self.meta.partition_id
         data = tq.kv_batch_get(keys=self.leaf_batch.keys, partition_id=part)
-        columns = {name: _rows(data[name]) for name in ("advantages", "response_mask", "rollout_is_weights")
+        columns = {name: row_arrays(data[name]) for name in ("advantages", "response_mask", "rollout_is_weights")
                    if name in data.keys()}
         scale = len(self.meta.keys) / self.leaf_rows
         out: dict[str, list[np.ndarray]] = {name: [] for name in columns}
