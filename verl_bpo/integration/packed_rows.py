@@ -198,7 +198,7 @@ class PackedBatch:
         return self.meta
 
     @property
-    def leafrow_arrays(self) -> int:
+    def leaf_rows(self) -> int:
         return len(self.leaf_batch.keys)
 
     def metrics(self) -> dict[str, float]:

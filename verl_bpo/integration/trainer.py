@@ -23,7 +23,10 @@ For ``algorithm.adv_estimator=bpo`` it also:
   estimator sees each row's tree metadata and the batch's rows per tree;
 * pads the batch so it splits into ``train_batch_size / ppo_mini_batch_size`` equal mini-batches, and gives the
   actor the rows of one mini-batch as its loss normalizer (:mod:`~verl_bpo.integration.batch_layout`): a tree
-  batch has as many rows as its trees have leaves, not ``ppo_mini_batch_size · rollout.n``.
+  batch has as many rows as its trees have leaves, not ``ppo_mini_batch_size · rollout.n``;
+* with ``bpo.packed`` (the default) hands the actor one packed row per tree instead of its leaf rows
+  (:mod:`~verl_bpo.integration.packed_rows`): ``old_log_prob``, the reference log-prob and the update run on the
+  packed rows, and the leaf rows keep everything that reads episodes (rewards, the estimator, metrics).
 
 With every tree holding ``rollout.n`` leaves all three are verl's own values. Every other estimator runs verl's
 code unchanged. ``BPOTaskRunner`` is verl's ``TaskRunnerV1.run`` with this trainer class (the
