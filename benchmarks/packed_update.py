@@ -1,7 +1,7 @@
 """What the trainer pays for a BPO step with packed trees (``bpo.packed``) against the leaf layout and GRPO, in
 verl's real CPU trainer, side by side in one run.
 
-    python benchmarks/packed_update.py [--out runs/packed_update] [--steps 5] [--tasks demo,textworld]
+    python benchmarks/packed_update.py [--out runs/packed_update] [--steps 5] [--tasks demo,textworld] [--from-logs]
 
 For each task, three training runs through ``python -m verl_bpo.main`` with the same model, tasks and settings:
 
@@ -21,7 +21,8 @@ trees): trained tokens per task (what the actor forwards and back-propagates: ve
 tasks of a step; for the packed run also the leaf layout of the same trees, ``bpo/trained_tokens_leaf_layout``);
 verl's ``timing_s/old_log_prob``, ``timing_s/update_actor`` and ``timing_s/step`` (rollout + training) per update;
 generated tokens per tree (what the budget matches); the machine's memory in use at each step
-(``perf/cpu_memory_used_gb``, whole machine: vLLM's CPU cache and Ray included, a coarse reading).
+(verl's ``perf/cpu_memory_used_gb`` as the actor reports it: the whole machine's, vLLM's CPU cache and Ray
+included, a coarse reading).
 
 Last line, one JSON object: ``trained_tokens_packed_over_leaf``, ``trained_tokens_packed_over_grpo``,
 ``update_s_packed_over_grpo``, ``logprob_s_packed_over_grpo``, ``update_s_packed_over_leaf``,
@@ -71,7 +72,10 @@ def textworld_setup(root: Path, steps: int) -> dict:
 SETUPS = {"demo": demo_setup, "textworld": textworld_setup}
 
 
-def run(model: Path, setup: dict, label: str, out: Path, steps: int) -> dict[int, dict[str, float]]:
+def run(model: Path, setup: dict, label: str, out: Path, steps: int, from_logs: bool) -> dict[int, dict[str, float]]:
+    log = out / "console.log"
+    if from_logs:  # summarise a finished run again (e.g. with a changed summary), without training
+        return cpu_launch.parse_console_metrics(log.read_text(errors="replace"))
     estimator, extra = RUNS[label]
     bpo = {"max_turns": setup["max_turns"], "max_tokens_per_turn": setup["max_tokens_per_turn"], **ALLOCATION}
     overrides = cpu_launch.cpu_overrides(
@@ -80,11 +84,11 @@ def run(model: Path, setup: dict, label: str, out: Path, steps: int) -> dict[int
         lr=setup["lr"],
         extra=[*(f"bpo.{k}={v}" for k, v in bpo.items()), f"bpo.sandbox.name={setup['sandbox']}",
                *(f"+bpo.sandbox.config.{k}={v}" for k, v in setup["config"].items()), *extra])
-    result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main",
+    result = cpu_launch.run_trainer(overrides, log_path=log, module="verl_bpo.main",
                                     timeout_s=2400, cwd=out.parent)
     if result.returncode != 0:
         tail = "\n".join(result.log.splitlines()[-30:])
-        raise RuntimeError(f"{label} failed (exit {result.returncode}); log {out / 'console.log'}\n{tail}")
+        raise RuntimeError(f"{label} failed (exit {result.returncode}); log {log}\n{tail}")
     return result.metrics
 
 
@@ -94,7 +98,7 @@ def summarise(metrics: dict[int, dict[str, float]], skip: int) -> dict[str, floa
     row = {name: mean(key) for name, key in TIMINGS.items()}
     row["trained_tokens_per_task"] = mean("global_seqlen/mean") / TASKS_PER_STEP  # one data-parallel rank
     row["gen_tokens_per_task"] = mean("bpo/generated_tokens")
-    row["memory_gb_max"] = max(m.get("perf/cpu_memory_used_gb", 0.0) for m in steps)
+    row["memory_gb_max"] = max(m.get("actor/perf/cpu_memory_used_gb", 0.0) for m in steps)
     row["steps_measured"] = len(steps)
     if mean("bpo/trained_tokens_leaf_layout") is not None:
         row["trained_tokens_packed_over_leaf_same_trees"] = (
@@ -124,6 +128,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the means (default 2)")
     parser.add_argument("--tasks", default="demo,textworld")
+    parser.add_argument("--from-logs", action="store_true", help="summarise the runs already in --out again")
     args = parser.parse_args()
     root = args.out.resolve()
     model = task_model(root, TASKS["late"])  # the demo's warm-started tiny model
@@ -133,7 +138,8 @@ def main() -> None:
         rows = {}
         for label in RUNS:
             print(f"{name}: {label} ({args.steps} steps) ...", flush=True)
-            rows[label] = summarise(run(model, setup, label, root / name / label, args.steps), args.skip)
+            metrics = run(model, setup, label, root / name / label, args.steps, args.from_logs)
+            rows[label] = summarise(metrics, args.skip)
         by_task[name] = {"ratios": ratios(rows), "runs": rows}
         print(f"\n{name}: per task and update (steps {args.skip + 1}-{args.steps})")
         print(f"{'run':12s} {'trained tok':>12s} {'gen tok':>9s} {'old_log_prob s':>15s} {'update_actor s':>15s} "

@@ -25,6 +25,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from verl.utils import seqlen_balancing
 from verl.utils import tensordict_utils as tu
@@ -57,6 +58,8 @@ def verl_process(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(AttentionInterface, "_global_mapping", dict(AttentionInterface._global_mapping))
         mp.setattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", dict(ALL_ATTENTION_FUNCTIONS._local_mapping))
+        mp.setattr(AttentionMaskInterface, "_global_mapping", dict(AttentionMaskInterface._global_mapping))
+        mp.setattr(ALL_MASK_ATTENTION_FUNCTIONS, "_local_mapping", dict(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping))
         mp.setattr(EngineRegistry, "_engines", {t: {b: dict(d) for b, d in by_backend.items()}
                                                 for t, by_backend in EngineRegistry._engines.items()})
         for module in (transformer_impl, seqlen_balancing):

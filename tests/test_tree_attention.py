@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from verl_bpo.integration.tree_attention import (
@@ -204,6 +205,8 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """The attention registry as transformers ships it, restored after the test (install() is process-wide)."""
     monkeypatch.setattr(AttentionInterface, "_global_mapping", dict(AttentionInterface._global_mapping))
     monkeypatch.setattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", dict(ALL_ATTENTION_FUNCTIONS._local_mapping))
+    monkeypatch.setattr(AttentionMaskInterface, "_global_mapping", dict(AttentionMaskInterface._global_mapping))
+    monkeypatch.setattr(ALL_MASK_ATTENTION_FUNCTIONS, "_local_mapping", dict(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping))
 
 
 def tiny_qwen2() -> Qwen2ForCausalLM:

@@ -177,7 +177,8 @@ def plot_learning(data: dict[str, dict[str, list[float]]], path: Path) -> None:
     plt.close(fig)
 
 
-def summarize(results: dict[str, cpu_launch.RunResult], data: dict[str, dict]) -> dict[str, dict[str, float]]:
+def summarize(results: dict[str, cpu_launch.RunResult], data: dict[str, dict],
+              batch_size: int) -> dict[str, dict[str, float]]:
     summary = {}
     for name, result in results.items():
         c = data[name]
@@ -193,6 +194,9 @@ def summarize(results: dict[str, cpu_launch.RunResult], data: dict[str, dict]) -
             "generated_tokens_per_tree": mean("bpo/generated_tokens"),
             "env_steps_per_tree": mean("bpo/env_steps"),
             "trainer_rows_per_tree": mean("bpo/trainer_rows"),
+            # what the actor forwards and back-propagates per task (verl's balanced batch; one rank on CPU):
+            # BPO's packed tree rows, GRPO's rows
+            "trained_tokens_per_tree": mean("global_seqlen/mean") / batch_size,
             "wall_s": result.wall_s,
         }
     return summary
@@ -235,13 +239,14 @@ def main(argv: list[str] | None = None) -> None:
     data = {name: curves(r, settings.batch_size) for name, r in results.items()}
     plot_learning(data, out / "learning_curve.png")
     draw_logged_tree(out / "bpo" / "trees.jsonl", out / "tree.png")
-    summary = summarize(results, data)
+    summary = summarize(results, data, settings.batch_size)
     (out / "summary.json").write_text(json.dumps({"summary": summary, "curves": data}, indent=1))
     print(f"\n{'estimator':10s} {'held-out before':>16s} {'held-out last':>14s} {'success(last 3)':>16s} "
-          f"{'tokens/tree':>12s} {'rows/tree':>10s} {'wall s':>8s}")
+          f"{'tokens/tree':>12s} {'rows/tree':>10s} {'trained tok/tree':>17s} {'wall s':>8s}")
     for name, row in summary.items():
         print(f"{name:10s} {row['held_out_before']:16.2f} {row['held_out_last']:14.2f} {row['success_last3']:16.2f} "
-              f"{row['generated_tokens_per_tree']:12.1f} {row['trainer_rows_per_tree']:10.1f} {row['wall_s']:8.0f}")
+              f"{row['generated_tokens_per_tree']:12.1f} {row['trainer_rows_per_tree']:10.1f} "
+              f"{row['trained_tokens_per_tree']:17.0f} {row['wall_s']:8.0f}")
     print(f"\nwrote {out / 'learning_curve.png'}, {out / 'tree.png'}, {out / 'summary.json'} "
           f"in {time.monotonic() - start:.0f} s")
 

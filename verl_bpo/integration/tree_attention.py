@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 __all__ = [
@@ -287,15 +288,30 @@ def _tree_aware(original: Callable) -> Callable:
     return attention
 
 
+def _no_mask_under_plan(original: Callable) -> Callable:
+    """``original`` mask builder, except that under an active plan it builds nothing: the plan is the attention's
+    truth, and the model's (batch, 1, T, T) mask over a row as long as a whole tree (or, without padding, over a
+    whole micro-batch) would cost more than the attention itself."""
+
+    @functools.wraps(original)
+    def mask(*args, **kwargs):
+        return None if _active_plan() is not None else original(*args, **kwargs)
+
+    setattr(mask, _WRAPPED, True)
+    return mask
+
+
 def install() -> None:
-    """Hook the registered ``sdpa`` and flash attention functions (idempotent). The shared registry instance's own
-    overrides (verl sets some) shadow the class-wide ones, so each name is set in both."""
-    for name in HOOKED_IMPLEMENTATIONS:
-        if name not in ALL_ATTENTION_FUNCTIONS or getattr(ALL_ATTENTION_FUNCTIONS[name], _WRAPPED, False):
-            continue
-        wrapped = _tree_aware(ALL_ATTENTION_FUNCTIONS[name])
-        AttentionInterface.register(name, wrapped)
-        ALL_ATTENTION_FUNCTIONS[name] = wrapped
+    """Hook the registered ``sdpa`` and flash attention functions and their mask builders (idempotent). The shared
+    registry instance's own overrides (verl sets some) shadow the class-wide ones, so each name is set in both."""
+    for registry, interface, wrap in ((ALL_ATTENTION_FUNCTIONS, AttentionInterface, _tree_aware),
+                                      (ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, _no_mask_under_plan)):
+        for name in HOOKED_IMPLEMENTATIONS:
+            if name not in registry or getattr(registry[name], _WRAPPED, False):
+                continue
+            wrapped = wrap(registry[name])
+            interface.register(name, wrapped)
+            registry[name] = wrapped
 
 
 def check_supported(attn_implementation: str) -> None:
