@@ -463,6 +463,8 @@ MORE_BAD_SETTINGS = [
      r"actor_rollout_ref\.actor\.policy_loss\.loss_mode=gspo: .*positively homogeneous.*set bpo\.packed=false"),
     (["++actor_rollout_ref.model.override_config.attn_implementation=eager"],
      r"attn_implementation=eager: .*sdpa or flash_attention_2"),
+    (["++actor_rollout_ref.model.override_config.attn_implementation=flex_attention"],
+     r"attn_implementation=flex_attention: .*sdpa or flash_attention_2.*set bpo\.packed=false"),
 ]
 
 

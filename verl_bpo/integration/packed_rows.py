@@ -41,7 +41,7 @@ from verl_bpo.core.leaf_meta import META_KEY, LeafMeta, is_padding_uid
 from verl_bpo.core.packing import LeafTokens, PackedTree, pack_tree
 
 __all__ = ["LAYOUT_FIELDS", "PackedBatch", "pack_rows", "packed_advantages", "packed_mask", "packed_fields", "nested",
-           "row_arrays"]
+           "row_arrays", "column"]
 
 # Per-token fields of a packed row (the length of input_ids): the token's segment, its segment's parent segment
 # (-1 for the prompt), 1 where the token is a key (0 on bridges). Row-local ids.
@@ -150,18 +150,17 @@ class PackedBatch:
         count sized for leaf rows says nothing about its memory."""
         part = leaf_batch.partition_id
         data = tq.kv_batch_get(keys=leaf_batch.keys, partition_id=part)
-        uids, extras = _column(data, "uid"), _column(data, "extra_fields")
+        uids, extras = column(data, "uid"), column(data, "extra_fields")
         prompts, responses = row_arrays(data["prompts"]), row_arrays(data["responses"])
         masks = row_arrays(data["response_mask"])
         logps = row_arrays(data["rollout_log_probs"]) if "rollout_log_probs" in data.keys() else None
 
         trees, keys, samples, tags, leaf_index, leaf_lens = [], [], [], [], [], []
         grouped = pack_rows(uids, extras, prompts, responses)
-        templates = tq.kv_batch_get(keys=[leaf_batch.keys[rows[0]] for _, rows, _ in grouped], partition_id=part)
-        for t, (uid, rows, tree) in enumerate(grouped):
+        for uid, rows, tree in grouped:
             mask = packed_mask(tree, [masks[i] for i in rows])
             rollout = None if logps is None else tree.any_copy([logps[i] for i in rows])
-            sample = _template(templates[t])
+            sample = _template(data[rows[0]])
             sample.update(packed_fields(tree, response_mask=mask, rollout_log_probs=rollout))
             sample["extra_fields"] = {"bpo_packed_leaves": len(rows)}
             tag = copy.deepcopy(leaf_batch.tags[rows[0]])
@@ -174,7 +173,7 @@ class PackedBatch:
             leaf_lens.append([len(responses[i]) for i in rows])
         pad_uid = f"pad{uuid.uuid4().hex}"
         for j in range(-len(samples) % dp_size):
-            sample = _template(templates[0])
+            sample = _template(data[grouped[0][1][0]])
             pad = _padding_tree(eos_token_id)
             sample.update(packed_fields(pad, response_mask=np.zeros(1, np.int64),
                                         rollout_log_probs=None if logps is None else np.zeros(1)))
@@ -264,6 +263,7 @@ def _fields(columns: dict[str, torch.Tensor], rows: int) -> TensorDict:
     return TensorDict(columns, batch_size=rows)
 
 
-def _column(data: Any, key: str) -> list[Any]:
-    value = data[key]
+def column(data: Any, key: str) -> list[Any]:
+    """A non-tensor TensorDict column as a plain list (``.get`` gives a NonTensorStack, ``[]`` a LinkedList)."""
+    value = data.get(key)
     return value.tolist() if hasattr(value, "tolist") else list(value)

@@ -35,7 +35,8 @@ from sandbox_adapters.registry import (
 from verl_bpo.core.config import ROLLOUT_N, BPOConfig, SandboxSpec
 from verl_bpo.integration.agent_loop import AGENT_NAME
 from verl_bpo.integration.estimator import ESTIMATOR_NAME
-from verl_bpo.integration.stock_launch import TRAINER_ENV, TRAINER_ENV_KEY
+from verl_bpo.integration.stock_launch import TRAINER_ENV_KEY
+from verl_bpo.integration.tree_attention import check_supported
 
 __all__ = ["register_schema", "read_bpo_config", "prepare_config", "AGENT_LOOPS_YAML", "TREE_LOSS_AGG_MODES",
            "DATA_FILE_KEYS"]
@@ -170,11 +171,11 @@ def _check_packing(config: DictConfig) -> None:
             "with the sum of its copies' advantages, exact only for a per-token loss that is positively homogeneous "
             f"in the advantage (vanilla PPO-clip, with or without dual-clip); set it to vanilla {off}")
     attn = OmegaConf.select(ref, "model.override_config.attn_implementation", default=None)
-    if attn == "eager":
-        raise ValueError(
-            "actor_rollout_ref.model.override_config.attn_implementation=eager: packed trees replace the attention "
-            f"through transformers' attention registry, which eager attention bypasses; use sdpa or "
-            f"flash_attention_2 {off}")
+    if attn is not None:  # verl's default is flash_attention_2, which packing hooks
+        try:
+            check_supported(attn)
+        except ValueError as exc:
+            raise ValueError(f"{exc} {off}") from None
 
 
 def _check_minibatches(config: DictConfig) -> None:

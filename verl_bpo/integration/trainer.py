@@ -61,7 +61,7 @@ from verl_bpo.core.profile import TreeRecord
 from verl_bpo.integration.agent_loop import STATE_KEY, TREE_METRICS_KEY, TREE_RECORD_KEY, row_task
 from verl_bpo.integration.batch_layout import batch_multiple, minibatch_rows, rows_per_tree
 from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
-from verl_bpo.integration.packed_rows import PackedBatch
+from verl_bpo.integration.packed_rows import PackedBatch, column
 from verl_bpo.integration.settings import read_bpo_config
 
 __all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "STATE_FILE", "tree_metrics", "rollout_states",
@@ -75,12 +75,6 @@ logger = logging.getLogger(__name__)
 TRAINER_MODE = "bpo"
 STATE_FILE = "bpo_allocation.json"  # the learned allocation state, in each verl checkpoint folder
 RESET_FAILURE_LIMIT = 0.5  # a step where more trees than this never started stops the run
-
-
-def column(data: Any, key: str) -> list[Any]:
-    """A non-tensor TensorDict column as a plain list (``.get`` gives a NonTensorStack, ``[]`` a LinkedList)."""
-    value = data.get(key)
-    return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
 def tree_metrics(uids: list[Any], extra_fields: list[Any]) -> dict[str, float]:

@@ -318,5 +318,6 @@ def check_supported(attn_implementation: str) -> None:
     """Raise unless packed trees can hook ``attn_implementation``."""
     if attn_implementation not in HOOKED_IMPLEMENTATIONS:
         raise ValueError(
-            f"packed trees need an attention function they can hook, not {attn_implementation!r}: set "
-            "actor_rollout_ref.model.override_config.attn_implementation to sdpa or flash_attention_2")
+            f"actor_rollout_ref.model.override_config.attn_implementation={attn_implementation}: packed trees replace "
+            f"the attention through transformers' attention registry, which {attn_implementation} attention does "
+            "not go through; use sdpa or flash_attention_2")
