@@ -74,7 +74,7 @@ def main() -> None:
                 order = task_order(task, seed)
                 curve = [first_action_probability(rl, prompt, token)]
                 for u in range(args.updates):
-                    rl.step(update_batch(order, u))
+                    rl.step(update_batch(order, u, task.batch))
                     curve.append(first_action_probability(rl, prompt, token))
                 print(f"eps {eps:g} {estimator:4s} seed {seed}: p(first action) "
                       + " ".join(f"{p:.3f}" for p in curve), flush=True)

@@ -1,21 +1,35 @@
 """The paper's learning claims, measured: BPO vs GRPO vs RLOO trained at matched generated tokens per update.
 
-Two embedded tasks (``verl_bpo.demo.tasks``): ``late`` — the signpost corridor, where routine moves come first and
-the one decisive choice last — and ``early`` — the same corridor with the choice first, so the first move decides
-and the walk after it only reveals the outcome. For each task and seed, every estimator trains from the same warm
-start on the same task order with :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator
-registry and policy loss with the arguments verl's actor passes; an in-process policy and optimizer instead of vLLM
-and FSDP, so that several seeds fit on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts
-per task; BPO grows one tree per task with ``bpo.allocation=learned`` and ``bpo.budget=tokens``, up to
-``--max-leaves`` leaves. Its tree's token budget is, by default (``--match grpo``), exactly the tokens GRPO's group
-generated on the same task at the same update of the same seed (GRPO trains first), so BPO and GRPO are matched in
-generated tokens per update throughout training, not only at the warm start; ``--match rloo`` pairs with RLOO
-instead, and ``--match own`` gives each tree what N flat rollouts of BPO's own policy would generate, learned from
-its earlier trees (the tokens then follow each estimator's policy and are matched at the warm start only). Every
-update has the same tasks, learning rate (the task's, or ``--lr``) and one AdamW step (``eps`` 1e-5,
-``--adam-eps``: with torch's 1e-8 single updates break the warm start's format for every estimator,
-``benchmarks/first_updates.py``). Generated tokens, environment steps and trainer rows per update are reported for
-each estimator.
+Embedded tasks (``verl_bpo.demo.tasks.TASKS``). The reference pair, ``late`` — the signpost corridor, where routine
+moves come first and the one decisive choice last — and ``early`` — the same corridor with the choice first, so the
+first move decides and the walk after it only reveals the outcome — is step-bound at its learning rate (RLOO with
+twice the rollouts takes exactly RLOO's updates), so it cannot test a variance claim; it stays as the reference
+(``--tasks late early``). The default run covers every other task in ``TASKS`` (their late- and early-decision
+forms, ``*late`` and ``*early``), or all tasks when there are no others. Each task sets its batch (tasks per
+update) and its updates per run.
+
+For each task and seed, every estimator trains from the same warm start on the same task order with
+:class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator registry and policy loss with the
+arguments verl's actor passes; an in-process policy and optimizer instead of vLLM and FSDP, so that several seeds fit
+on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per task
+with ``bpo.allocation=learned`` and ``bpo.budget=tokens``, up to ``--max-leaves`` leaves. Its tree's token budget is,
+by default (``--match grpo``), exactly the tokens GRPO's group generated on the same task at the same update of the
+same seed (GRPO trains first), so BPO and GRPO are matched in generated tokens per update throughout training, not
+only at the warm start; ``--match rloo`` pairs with RLOO instead, and ``--match own`` gives each tree what N flat
+rollouts of BPO's own policy would generate, learned from its earlier trees (the tokens then follow each estimator's
+policy and are matched at the warm start only). Every update has the same tasks, learning rate (the task's, or
+``--lr``) and one AdamW step (``eps`` 1e-5, ``--adam-eps``: with torch's 1e-8 single updates break the warm start's
+format for every estimator, ``benchmarks/first_updates.py``).
+
+**Qualification, fixed before any BPO run.** A task counts for the claims only if it is noise-limited, shown by the
+control alone. Per task, the control trains first: for every seed RLOO and RLOO with 2N rollouts per task (exactly
+half RLOO's gradient variance per update, at twice its tokens). The task is *qualified* when RLOO-2N reaches the
+target in at most ``QUALIFY_MAX_RATIO`` = 0.75× RLOO's updates **and** the upper end of that ratio's CI95 is below
+1.0 (:func:`qualification`: the ratio of the seeds' mean updates to target, paired bootstrap over seeds, a censored
+seed counted as updates + ``--eval-every``). Near 1, progress per update is bounded by the optimizer's step, not by
+gradient noise, and no estimator with less variance could take fewer updates. RLOO's batch signal-to-noise at the
+warm start (``‖E ĝ‖² / tr Cov ĝ``) is reported beside it. The verdict is printed before GRPO and BPO train; the
+targets apply only to qualified tasks, and tasks that fail the rule are reported too.
 
 Measured, per task, seed and estimator:
 
@@ -23,32 +37,35 @@ Measured, per task, seed and estimator:
   episodes on each held-out evaluation task (task ids never trained on; the same tasks and sandbox seeds for every
   estimator);
 * **updates to target** — the first evaluated update whose success reaches the task's target (a seed that never
-  does counts as ``--updates`` + ``--eval-every``, stated as censored);
+  does counts as updates + ``--eval-every``, stated as censored);
 * **tokens to target** — the generated tokens spent until then (a censored seed at its mean rate per update): the
   comparison at matched generated tokens with the estimator BPO is not paired with (and under ``--match own``);
 * **final success** — the mean of the last two evaluations;
 * **success at matched tokens** — per seed, each run's success once it has generated as many tokens as the run
-  that generated least over its ``--updates`` (interpolated between evaluations): the end of training at matched
+  that generated least over its updates (interpolated between evaluations): the end of training at matched
   generated tokens;
 * **gradient variance at matched tokens** — at the warm-start policy, ``--grad-draws`` independent batches per
   estimator (BPO after ``--grad-warmup`` batches that teach its profile): tr Cov(ĝ) × generated tokens per batch,
-  BPO over RLOO (both unbiased and on one scale);
-* **what halving the variance can buy** (the tasks in ``--control``, default ``late``) — RLOO trained with 2N
-  rollouts per task: exactly half RLOO's gradient variance per update, at twice its tokens. Its updates to target
-  over RLOO's bound what any estimator with half RLOO's variance per update could save in updates on that task at
-  that learning rate: near 1, progress per update is limited by the optimizer's step, not by gradient noise.
+  BPO over RLOO (both unbiased and on one scale), and each batch gradient's signal-to-noise;
+* **costs per update**, per estimator (RLOO-2N included): generated tokens, environment steps, trainer rows, and
+  trained tokens in two layouts — ``leaf`` (one row per leaf, prompt + response: verl's layout, what the baselines
+  train) and ``packed`` (each tree as one row of its unique tokens, ``bpo.packed``; a flat group packs to its
+  shared prompt plus every response).
 
 95% confidence intervals: paired bootstrap over seeds (learning), bootstrap over draws (variance).
 
-    python benchmarks/learning.py [--seeds 4] [--updates 16] [--match grpo] [--out runs/learning]
+    python benchmarks/learning.py [--tasks ...] [--seeds 6] [--updates N] [--match grpo] [--out runs/learning]
 
-Last line: one JSON object with, per task prefix ``late_`` and ``early_``: ``updates_to_target_bpo_over_grpo``,
-``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``,
-``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``), ``grad_var_bpo_over_rloo``, their ``ci95``, and
-tokens, env steps, trainer rows and pre-clip gradient norm per update per estimator; with the control,
-``updates_to_target_rloo_2n_over_rloo`` and ``final_success_rloo_2n_minus_rloo``. Targets (the paper's, on the
-late task): updates <= 0.62, success >= +0.036, gradient variance <= 0.5; on the early task: success vs RLOO
->= -0.02 (a tie).
+(``--updates``: default each task's own.) Last line: one JSON object with, per task prefix (``<task>_``):
+``qualified`` (true/false, the rule above), ``snr_rloo``, ``updates_to_target_rloo_2n_over_rloo``,
+``final_success_rloo_2n_minus_rloo``, ``qualification`` (the rule, the ratio, its CI and the seeds' updates),
+``updates_to_target_bpo_over_grpo``, ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``,
+``final_success_bpo_minus_rloo``, ``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``),
+``grad_var_bpo_over_rloo``, their ``ci95``, ``per_update`` costs and pre-clip gradient norm per estimator, and
+``targets``: on a qualified task each target with its value and ``met``, otherwise ``"not applicable: task not
+noise-limited"``. Targets (the paper's): on late-decision forms (``late``, ``hard_late``, ``real_late``) updates to
+target BPO/GRPO <= 0.62, final success BPO - GRPO >= +0.036, gradient variance BPO/RLOO <= 0.5; on early-decision
+forms (``*early``) final success BPO - RLOO >= -0.02 (a tie).
 """
 
 from __future__ import annotations
@@ -58,18 +75,46 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from verl_bpo.demo.tasks import TASKS, DemoTask, task_model
-from verl_bpo.local.trainer import LocalRL, LocalRLConfig
+
+if TYPE_CHECKING:  # torch loads only when a run trains (the summary and its tests need no model)
+    from verl_bpo.local.trainer import LocalRL
 
 ESTIMATORS = ("bpo", "grpo", "rloo")
 BASELINES = ("grpo", "rloo")
 CONTROL = "rloo_2n"  # RLOO with 2N rollouts per task: half RLOO's variance per update, twice its tokens
-N_LEAVES, BATCH, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 4, 384, 6
+REFERENCE_TASKS = ("late", "early")  # step-bound at their learning rate: the reference, not the default run
+N_LEAVES, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 384, 6
 ADAM_EPS = 1e-5  # torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)
 MAX_LEAVES, BPO_WARMUP_TREES = 32, 8  # the defaults of --max-leaves and --bpo-warmup-trees
+QUALIFY_MAX_RATIO = 0.75  # RLOO-2N's updates to target over RLOO's at most this (and its CI95 below 1) to qualify
+QUALIFY_RULE = (f"RLOO-2N updates to target / RLOO's <= {QUALIFY_MAX_RATIO} and its upper CI95 < 1.0 "
+                "(paired bootstrap over seeds; a censored seed counts as updates + eval_every)")
+NOT_QUALIFIED = "not applicable: task not noise-limited"
+# The paper's targets: key -> (comparison, bound), by where the task's decision sits.
+TARGETS = {
+    "late": {"updates_to_target_bpo_over_grpo": ("<=", 0.62), "final_success_bpo_minus_grpo": (">=", 0.036),
+             "grad_var_bpo_over_rloo": ("<=", 0.5)},
+    "early": {"final_success_bpo_minus_rloo": (">=", -0.02)},
+}
+COSTS = ("generated_tokens", "env_steps", "trainer_rows", "trained_tokens_leaf", "trained_tokens_packed")
+TRAINED_TOKENS_LAYOUT = ("trained_tokens_leaf: one row per leaf (prompt + response; verl's layout, what the baselines "
+                         "train); trained_tokens_packed: each tree as one row of its unique tokens (bpo.packed; a "
+                         "flat group shares only its prompt)")
+
+
+def default_tasks() -> list[str]:
+    """Every task but the step-bound reference pair, or all tasks when there are no others."""
+    return [name for name in TASKS if name not in REFERENCE_TASKS] or list(TASKS)
+
+
+def task_form(name: str) -> str | None:
+    """``late`` or ``early``: where the task's decision sits (its targets), from its name (``hard_late``, ...)."""
+    return next((form for form in TARGETS if name == form or name.endswith(f"_{form}")), None)
 
 
 def bpo_block(task: DemoTask, estimator: str, tree: dict) -> dict:
@@ -89,9 +134,9 @@ def task_order(task: DemoTask, seed: int) -> list[dict[str, int]]:
     return random.Random(seed).sample(task.tasks(task.train_ids), len(task.train_ids))
 
 
-def update_batch(order: list[dict[str, int]], update: int) -> list[dict[str, int]]:
-    """The tasks of one update."""
-    return [order[(update * BATCH + j) % len(order)] for j in range(BATCH)]
+def update_batch(order: list[dict[str, int]], update: int, batch: int) -> list[dict[str, int]]:
+    """The ``batch`` tasks of one update."""
+    return [order[(update * batch + j) % len(order)] for j in range(batch)]
 
 
 def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,
@@ -99,25 +144,27 @@ def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: di
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from verl_bpo.local.trainer import LocalRL, LocalRLConfig
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LocalRLConfig(estimator=estimator, n_leaves=n_leaves, batch_size=BATCH, lr=lr or task.lr,
+    config = LocalRLConfig(estimator=estimator, n_leaves=n_leaves, batch_size=task.batch, lr=lr or task.lr,
                            adam_eps=adam_eps, response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, tree))
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
 
 
-def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace,
+def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace, updates: int,
               budgets: list[list[float]] | None = None, n_leaves: int = N_LEAVES) -> dict:
-    """One training run; ``budgets[u]``: the token budget of each task's tree at update ``u`` (BPO at matched
-    tokens), ``None``: learned from the run's own earlier trees."""
+    """One training run of ``updates`` updates; ``budgets[u]``: the token budget of each task's tree at update
+    ``u`` (BPO at matched tokens), ``None``: learned from the run's own earlier trees."""
     rl = trainer(model_dir, task, estimator, seed, tree_settings(args.max_leaves, args.bpo_warmup_trees),
                  args.adam_eps, args.lr, n_leaves)
     order = task_order(task, seed)
     evals = task.tasks(task.eval_ids)
     curve, steps = [(0, rl.evaluate(evals, args.eval_episodes))], []
-    for u in range(args.updates):
-        steps.append(rl.step(update_batch(order, u), None if budgets is None else budgets[u]).__dict__)
+    for u in range(updates):
+        steps.append(rl.step(update_batch(order, u, task.batch), None if budgets is None else budgets[u]).__dict__)
         if (u + 1) % args.eval_every == 0:
             curve.append((u + 1, rl.evaluate(evals, args.eval_episodes)))
     return {"curve": curve, "steps": steps}
@@ -127,7 +174,7 @@ def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, 
                    tree: dict) -> tuple[np.ndarray, float]:
     """The Gram matrix of ``draws`` batch gradients at the warm-start policy, and the mean tokens per batch."""
     rl = trainer(model_dir, task, estimator, 0, tree)
-    tasks = task.tasks(task.train_ids)[:BATCH]
+    tasks = task.tasks(task.train_ids)[:task.batch]
     rows, tokens = [], []
     for d in range(warmup + draws):
         rl.updates = d  # a fresh tree seed per draw; the weights never change
@@ -159,86 +206,159 @@ def signal_to_noise(gram: np.ndarray) -> float:
 
 
 def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> list[float]:
+    """CI95 of ``stat`` over ``reps`` resamples of ``n`` indices; resamples where it is undefined (NaN: a ratio
+    over zero, e.g. every draw the same one) are left out."""
     rng = np.random.default_rng(seed)
-    values = [stat(rng.integers(0, n, n)) for _ in range(reps)]
+    values = np.array([stat(rng.integers(0, n, n)) for _ in range(reps)], dtype=float)
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return [float("nan"), float("nan")]
     return [round(float(np.percentile(values, 2.5)), 4), round(float(np.percentile(values, 97.5)), 4)]
 
 
-def tokens_per_update(run: dict) -> list[float]:
-    """Generated tokens of each update of a run (its steps record the mean per tree)."""
-    return [s["generated_tokens"] * BATCH for s in run["steps"]]
+def ratio_of_means(a: np.ndarray, b: np.ndarray):
+    """The paired statistic ``mean(a[i]) / mean(b[i])`` of the seeds ``i`` (NaN where ``b``'s mean is 0)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+
+    def stat(i: np.ndarray) -> float:
+        den = b[i].mean()
+        return float(a[i].mean() / den) if den else float("nan")
+
+    return stat
 
 
-def tokens_until(run: dict, update: int) -> float:
+def updates_to_target(run: dict, target: float, censored: int) -> int:
+    """The first evaluated update whose success reaches ``target``; ``censored`` when none does."""
+    return next((u for u, s in run["curve"] if s >= target), censored)
+
+
+def qualification(reach_control, reach_rloo, snr_rloo: float | None = None) -> dict:
+    """The qualification rule (module docstring), from the control alone: per seed (paired by index), the updates
+    to target of RLOO with 2N rollouts and of RLOO (censored seeds already counted as updates + eval_every).
+    Qualified when ``mean(2N) / mean(RLOO) <= QUALIFY_MAX_RATIO`` and the upper end of its paired-bootstrap CI95 is
+    below 1.0."""
+    reach_control, reach_rloo = np.asarray(reach_control, dtype=float), np.asarray(reach_rloo, dtype=float)
+    if reach_control.shape != reach_rloo.shape or reach_rloo.ndim != 1 or not len(reach_rloo):
+        raise ValueError("qualification needs the same seeds, at least one, for RLOO-2N and RLOO")
+    stat = ratio_of_means(reach_control, reach_rloo)
+    ratio = stat(np.arange(len(reach_rloo)))
+    ci = bootstrap(stat, len(reach_rloo))
+    qualified = bool(ratio <= QUALIFY_MAX_RATIO and ci[1] < 1.0)  # NaN (RLOO at the target from the start): False
+    return {"qualified": qualified, "rule": QUALIFY_RULE, "max_ratio": QUALIFY_MAX_RATIO,
+            "updates_to_target_rloo_2n_over_rloo": round(ratio, 4), "ci95": ci,
+            "updates_to_target": {CONTROL: [int(u) for u in reach_control], "rloo": [int(u) for u in reach_rloo]},
+            "snr_rloo": None if snr_rloo is None else round(float(snr_rloo), 4)}
+
+
+def evaluate_targets(name: str, stats: dict, qualified: bool) -> dict | str:
+    """Each of the task form's targets with its value and whether it is met; only on a qualified task."""
+    if not qualified:
+        return NOT_QUALIFIED
+    form = task_form(name)
+    if form is None:
+        return "none: neither a late- nor an early-decision task"
+    out = {}
+    for key, (op, bound) in TARGETS[form].items():
+        value = stats[key]
+        met = value <= bound if op == "<=" else value >= bound
+        out[key] = {"target": f"{op} {bound:+g}" if op == ">=" else f"{op} {bound:g}", "value": value,
+                    "met": bool(met)}
+    return out
+
+
+def tokens_per_update(run: dict, batch: int) -> list[float]:
+    """Generated tokens of each update of a run (its steps record the mean per tree; ``batch`` trees per update)."""
+    return [s["generated_tokens"] * batch for s in run["steps"]]
+
+
+def tokens_until(run: dict, update: int, batch: int) -> float:
     """Generated tokens of a run's first ``update`` updates; past its last update (censored), its mean rate."""
-    per_update = tokens_per_update(run)
+    per_update = tokens_per_update(run, batch)
     if update <= len(per_update):
         return float(sum(per_update[:update]))
     return float(np.mean(per_update)) * update
 
 
-def success_at_tokens(run: dict, tokens: float) -> float:
+def success_at_tokens(run: dict, tokens: float, batch: int) -> float:
     """A run's held-out success once it has generated ``tokens``, interpolated linearly between evaluations."""
-    spent = np.concatenate([[0.0], np.cumsum(tokens_per_update(run))])
+    spent = np.concatenate([[0.0], np.cumsum(tokens_per_update(run, batch))])
     return float(np.interp(tokens, [spent[u] for u, _ in run["curve"]], [s for _, s in run["curve"]]))
 
 
-def summarize(task: DemoTask, runs: dict, grads: dict, args: argparse.Namespace) -> dict:
-    censored = args.updates + args.eval_every
-    reach = {e: np.array([next((u for u, s in r["curve"] if s >= task.target), censored) for r in runs[e]])
-             for e in runs}
+def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int, eval_every: int,
+              batch: int) -> dict:
+    """One task's summary from plain data (no model): ``runs``: estimator (``bpo``, ``grpo``, ``rloo``,
+    ``rloo_2n``) -> per seed ``{"curve": [(update, success), ...], "steps": [step dicts]}`` (a step dict holds
+    :class:`~verl_bpo.local.trainer.StepStats`' fields, per tree); ``grads``: ``{"bpo": (gram, tokens per batch),
+    "rloo": (...)}`` at the warm start; ``name`` picks the targets (:data:`TARGETS`); ``updates``, ``eval_every``
+    and ``batch`` as the runs trained."""
+    seeds = {e: len(r) for e, r in runs.items()}
+    if set(runs) != {*ESTIMATORS, CONTROL} or len(set(seeds.values())) != 1:
+        raise ValueError(f"summarize needs the same seeds of {(*ESTIMATORS, CONTROL)}, got {seeds}")
+    n = seeds["rloo"]
+    censored = updates + eval_every
+    reach = {e: np.array([updates_to_target(r, target, censored) for r in runs[e]]) for e in runs}
     # BPO's budgets match its paired baseline's tokens per update, not the other's (nor anyone's under --match own),
     # and a tree may leave some of its budget unspent, so the generated tokens spent to reach the target are
     # reported next to the updates.
-    reach_tokens = {e: np.array([tokens_until(r, u) for r, u in zip(runs[e], reach[e])]) for e in ESTIMATORS}
-    # Success at matched generated tokens: per seed, where the run that generated least stopped.
-    least = [min(tokens_until(runs[e][s], args.updates) for e in ESTIMATORS) for s in range(args.seeds)]
-    matched = {e: np.array([success_at_tokens(r, t) for r, t in zip(runs[e], least)]) for e in ESTIMATORS}
+    reach_tokens = {e: np.array([tokens_until(r, u, batch) for r, u in zip(runs[e], reach[e])]) for e in ESTIMATORS}
+    # Success at matched generated tokens: per seed, where the run that generated least stopped (the control, which
+    # spends twice RLOO's tokens, never sets it).
+    least = [min(tokens_until(runs[e][s], updates, batch) for e in ESTIMATORS) for s in range(n)]
+    matched = {e: np.array([success_at_tokens(r, t, batch) for r, t in zip(runs[e], least)]) for e in ESTIMATORS}
     final = {e: np.array([np.mean([s for _, s in r["curve"][-2:]]) for r in runs[e]]) for e in runs}
-    n = args.seeds
     (gram_b, tok_b), (gram_r, tok_r) = grads["bpo"], grads["rloo"]
+    draws = len(gram_b)
+    if len(gram_r) != draws:
+        raise ValueError("the BPO and RLOO gradient draws must be as many (their variance ratio resamples both)")
+    snr_rloo = signal_to_noise(gram_r)
+    qual = qualification(reach[CONTROL], reach["rloo"], snr_rloo)
 
     def var_ratio(i: np.ndarray) -> float:
-        return trace_cov(gram_b, i) * tok_b / (trace_cov(gram_r, i) * tok_r)
-
-    def over(stat: dict, a: str, b: str):
-        return lambda i: stat[a][i].mean() / stat[b][i].mean()
+        den = trace_cov(gram_r, i) * tok_r
+        return trace_cov(gram_b, i) * tok_b / den if den else float("nan")
 
     def minus(stat: dict, a: str, b: str):
         return lambda i: stat[a][i].mean() - stat[b][i].mean()
 
     # Statistics of the seeds ``i``: one formula gives each key its point estimate (all seeds) and paired CI.
     paired = {
-        "updates_to_target_bpo_over_grpo": over(reach, "bpo", "grpo"),
-        "tokens_to_target_bpo_over_grpo": over(reach_tokens, "bpo", "grpo"),
+        "updates_to_target_bpo_over_grpo": ratio_of_means(reach["bpo"], reach["grpo"]),
+        "tokens_to_target_bpo_over_grpo": ratio_of_means(reach_tokens["bpo"], reach_tokens["grpo"]),
         "final_success_bpo_minus_grpo": minus(final, "bpo", "grpo"),
         "final_success_bpo_minus_rloo": minus(final, "bpo", "rloo"),
         "success_at_matched_tokens_bpo_minus_grpo": minus(matched, "bpo", "grpo"),
         "success_at_matched_tokens_bpo_minus_rloo": minus(matched, "bpo", "rloo"),
+        "final_success_rloo_2n_minus_rloo": minus(final, CONTROL, "rloo"),
     }
-    if CONTROL in runs:
-        paired["updates_to_target_rloo_2n_over_rloo"] = over(reach, CONTROL, "rloo")
-        paired["final_success_rloo_2n_minus_rloo"] = minus(final, CONTROL, "rloo")
-    out = {
-        **{k: round(float(stat(np.arange(n))), 4) for k, stat in paired.items()},
-        "grad_var_bpo_over_rloo": round(var_ratio(np.arange(args.grad_draws)), 4),
+    stats = {k: round(float(stat(np.arange(n))), 4) for k, stat in paired.items()}
+    stats["grad_var_bpo_over_rloo"] = round(var_ratio(np.arange(draws)), 4)
+    stats["updates_to_target_rloo_2n_over_rloo"] = qual["updates_to_target_rloo_2n_over_rloo"]
+    return {
+        "qualified": qual["qualified"],
+        "snr_rloo": qual["snr_rloo"],
+        **stats,
         "ci95": {**{k: bootstrap(stat, n) for k, stat in paired.items()},
-                 "grad_var_bpo_over_rloo": bootstrap(var_ratio, args.grad_draws)},
-        "target_success": task.target,
+                 "grad_var_bpo_over_rloo": bootstrap(var_ratio, draws),
+                 "updates_to_target_rloo_2n_over_rloo": qual["ci95"]},
+        "qualification": qual,
+        "targets": evaluate_targets(name, stats, qual["qualified"]),
+        "target_success": target,
+        "seeds": n,
         "updates_to_target": {e: reach[e].tolist() for e in runs},
         "censored_at": censored,
         "tokens_to_target": {e: [round(float(v)) for v in reach_tokens[e]] for e in ESTIMATORS},
         "matched_tokens": [round(t) for t in least],
         "success_at_matched_tokens": {e: [round(float(v), 4) for v in matched[e]] for e in ESTIMATORS},
         "final_success": {e: [round(float(v), 4) for v in final[e]] for e in runs},
-        "per_update": {e: {k: round(float(np.mean([s[k] for r in runs[e] for s in r["steps"]])) * BATCH, 1)
-                           for k in ("generated_tokens", "env_steps", "trainer_rows")} for e in runs},
+        "per_update": {e: {k: round(float(np.mean([s[k] for r in runs[e] for s in r["steps"]])) * batch, 1)
+                           for k in COSTS} for e in runs},
+        "trained_tokens_layout": TRAINED_TOKENS_LAYOUT,
         "grad_norm_per_update": {e: round(float(np.mean([s["grad_norm"] for r in runs[e] for s in r["steps"]])), 4)
                                  for e in runs},
         "grad_tokens_per_batch": {"bpo": round(tok_b, 1), "rloo": round(tok_r, 1)},
-        "grad_signal_to_noise": {"bpo": round(signal_to_noise(gram_b), 4), "rloo": round(signal_to_noise(gram_r), 4)},
+        "grad_signal_to_noise": {"bpo": round(signal_to_noise(gram_b), 4), "rloo": round(snr_rloo, 4)},
     }
-    return out
 
 
 def plot(task: DemoTask, runs: dict, path: Path) -> None:
@@ -251,7 +371,7 @@ def plot(task: DemoTask, runs: dict, path: Path) -> None:
     for estimator in runs:
         curves = np.array([[s for _, s in r["curve"]] for r in runs[estimator]])
         x = np.array([u for u, _ in runs[estimator][0]["curve"]])
-        tokens = np.mean([s["generated_tokens"] for r in runs[estimator] for s in r["steps"]]) * BATCH
+        tokens = np.mean([s["generated_tokens"] for r in runs[estimator] for s in r["steps"]]) * task.batch
         mean = curves.mean(0)
         sem = curves.std(0, ddof=1) / np.sqrt(len(curves)) if len(curves) > 1 else 0 * mean
         for ax, xs in zip(axes, (x, x * tokens)):
@@ -259,7 +379,7 @@ def plot(task: DemoTask, runs: dict, path: Path) -> None:
             ax.fill_between(xs, mean - 1.96 * sem, mean + 1.96 * sem, alpha=0.2)
     for ax, label in zip(axes, ("policy updates", "generated tokens")):
         ax.axhline(task.target, color="0.5", ls="--", lw=1, label=f"target {task.target}")
-        ax.set(xlabel=label, ylabel="held-out success rate", title=f"{task.name}-decision task ({task.sandbox})")
+        ax.set(xlabel=label, ylabel="held-out success rate", title=f"{task.name} task ({task.sandbox})")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -274,8 +394,8 @@ def report(label: str, run: dict, t0: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=4)
-    parser.add_argument("--updates", type=int, default=16)
+    parser.add_argument("--seeds", type=int, default=6)
+    parser.add_argument("--updates", type=int, default=None, help="updates per run (default: the task's)")
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-episodes", type=int, default=2, help="episodes per held-out task per evaluation")
     parser.add_argument("--grad-draws", type=int, default=128, help="batches per estimator for the gradient variance")
@@ -289,47 +409,64 @@ def main() -> None:
                         help="AdamW learning rate of every estimator (default: the task's, verl_bpo.demo.tasks)")
     parser.add_argument("--match", choices=(*BASELINES, "own"), default="grpo",
                         help="whose generated tokens per task and update BPO's tree budget is (module docstring)")
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--control", nargs="*", default=["late"], choices=list(TASKS),
-                        help="tasks that also train RLOO with 2N rollouts per task (what halving the variance buys)")
+    parser.add_argument("--tasks", nargs="+", default=default_tasks(), choices=list(TASKS),
+                        help=f"default: every task but the step-bound reference {' '.join(REFERENCE_TASKS)}")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    tree = tree_settings(args.max_leaves, args.bpo_warmup_trees)
     result: dict = {}
     for name in args.tasks:
         task = TASKS[name]
+        updates = args.updates or task.updates
         model_dir = task_model(out, task)
-        grads = {e: gradient_draws(model_dir, task, e, args.grad_draws, args.grad_warmup if e == "bpo" else 0,
-                                   tree_settings(args.max_leaves, args.bpo_warmup_trees)) for e in ("bpo", "rloo")}
+        runs: dict[str, list] = {e: [] for e in ("rloo", CONTROL, "grpo", "bpo")}
+
+        def train(estimator: str, seed: int, **kw) -> None:
+            t0 = time.monotonic()
+            runs[estimator].append(train_one(model_dir, task, "rloo" if estimator == CONTROL else estimator, seed,
+                                             args, updates, **kw))
+            report(f"{name} seed {seed} {estimator:7s}", runs[estimator][-1], t0)
+
+        # The control alone decides whether the task qualifies, before any BPO run: RLOO's warm-start gradient
+        # noise, then RLOO and RLOO with 2N rollouts on every seed.
+        grads = {"rloo": gradient_draws(model_dir, task, "rloo", args.grad_draws, 0, tree)}
+        for seed in range(args.seeds):
+            train("rloo", seed)
+            train(CONTROL, seed, n_leaves=2 * N_LEAVES)
+        censored = updates + args.eval_every
+        qual = qualification([updates_to_target(r, task.target, censored) for r in runs[CONTROL]],
+                             [updates_to_target(r, task.target, censored) for r in runs["rloo"]],
+                             signal_to_noise(grads["rloo"][0]))
+        lo, hi = qual["ci95"]
+        print(f"{name}: qualified={str(qual['qualified']).lower()} (RLOO-2N/RLOO updates to target "
+              f"{qual['updates_to_target_rloo_2n_over_rloo']:.3f}, CI95 [{lo}, {hi}]; RLOO SNR {qual['snr_rloo']:.3g})"
+              f" — rule: {QUALIFY_RULE}", flush=True)
+        grads["bpo"] = gradient_draws(model_dir, task, "bpo", args.grad_draws, args.grad_warmup, tree)
         print(f"{name}: tr Cov x tokens at the warm start: "
               + ", ".join(f"{e} {trace_cov(g) * t:.4g} ({t:.0f} tokens)" for e, (g, t) in grads.items()), flush=True)
-        runs: dict[str, list] = {e: [] for e in ESTIMATORS}
         for seed in range(args.seeds):
-            # The paired baseline trains first: BPO's tree budgets are its tokens per task and update.
-            for estimator in sorted(ESTIMATORS, key=lambda e: (e == "bpo", e != args.match)):
-                t0 = time.monotonic()
-                budgets = None
-                if estimator == "bpo" and args.match != "own":
-                    budgets = [s["tree_tokens"] for s in runs[args.match][seed]["steps"]]
-                runs[estimator].append(train_one(model_dir, task, estimator, seed, args, budgets))
-                report(f"{name} seed {seed} {estimator:4s}", runs[estimator][-1], t0)
-            if name in args.control:
-                t0 = time.monotonic()
-                runs.setdefault(CONTROL, []).append(train_one(model_dir, task, "rloo", seed, args,
-                                                              n_leaves=2 * N_LEAVES))
-                report(f"{name} seed {seed} {CONTROL}", runs[CONTROL][-1], t0)
-        summary = summarize(task, runs, grads, args)
+            if args.match == "grpo":  # the paired baseline trains first: BPO's tree budgets are its tokens
+                train("grpo", seed)
+            budgets = None if args.match == "own" else [s["tree_tokens"] for s in runs[args.match][seed]["steps"]]
+            train("bpo", seed, budgets=budgets)
+            if args.match != "grpo":
+                train("grpo", seed)
+        summary = summarize(name, runs, grads, target=task.target, updates=updates, eval_every=args.eval_every,
+                            batch=task.batch)
         result.update({f"{name}_{k}": v for k, v in summary.items()})
         plot(task, runs, out / f"learning_{name}.png")
         (out / f"runs_{name}.json").write_text(json.dumps(runs))
-    result.update({"seeds": args.seeds, "updates": args.updates,
+    result.update({"tasks": args.tasks, "reference_tasks": [t for t in args.tasks if t in REFERENCE_TASKS],
+                   "qualified": {t: result[f"{t}_qualified"] for t in args.tasks},
+                   "seeds": args.seeds, "updates": {t: args.updates or TASKS[t].updates for t in args.tasks},
                    "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},
-                   "n_leaves": N_LEAVES, "batch": BATCH, "max_leaves": args.max_leaves,
-                   "bpo_warmup_trees": args.bpo_warmup_trees, "adam_eps": args.adam_eps, "match": args.match,
-                   "control": [t for t in args.tasks if t in args.control],
-                   "wall_s": round(time.monotonic() - start)})
+                   "n_leaves": N_LEAVES, "batch": {t: TASKS[t].batch for t in args.tasks},
+                   "max_leaves": args.max_leaves, "bpo_warmup_trees": args.bpo_warmup_trees,
+                   "adam_eps": args.adam_eps, "match": args.match, "control": list(args.tasks),
+                   "qualify_rule": QUALIFY_RULE, "wall_s": round(time.monotonic() - start)})
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out}/learning_*.png and learning.json")
     print(json.dumps(result))

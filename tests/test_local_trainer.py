@@ -153,17 +153,6 @@ def learning_benchmark():
     return learning
 
 
-def test_learning_benchmark_counts_tokens_to_target_and_success_at_matched_tokens():
-    learning = learning_benchmark()
-    run = {"steps": [{"generated_tokens": 10.0}, {"generated_tokens": 30.0}]}  # per tree: × BATCH per update
-    assert learning.tokens_until(run, 1) == 10.0 * learning.BATCH
-    assert learning.tokens_until(run, 2) == 40.0 * learning.BATCH
-    assert learning.tokens_until(run, 4) == 20.0 * learning.BATCH * 4  # censored: its mean rate
-    run["curve"] = [(0, 0.2), (2, 0.6)]  # evaluated before training and after both updates
-    assert np.isclose(learning.success_at_tokens(run, 20.0 * learning.BATCH), 0.4)  # half the tokens spent
-    assert learning.success_at_tokens(run, 0.0) == 0.2
-
-
 def test_a_step_gives_each_tasks_tree_the_budget_it_is_handed(model_dir):
     """The learning benchmark matches BPO's tokens per update to a baseline's by handing each tree a budget."""
     trainer = make_trainer(model_dir, bpo={**BPO, "allocation": "learned", "budget": "tokens", "warmup_trees": 0,
@@ -188,12 +177,8 @@ def test_learning_benchmark_signal_to_noise_from_gram_matrices():
 def test_learning_benchmark_summary_reports_the_double_batch_control_apart_from_matched_tokens():
     """RLOO with 2N rollouts is a control (what halving the variance buys in updates): it gets its own ratio to RLOO
     and never sets the matched-token point, which spends twice its tokens."""
-    import argparse
-
-    from verl_bpo.demo.tasks import TASKS
-
     learning = learning_benchmark()
-    task = TASKS["late"]
+    batch = 4
 
     def run(tokens: float, curve: list[float]) -> dict:
         steps = [{"generated_tokens": tokens, "env_steps": 1.0, "trainer_rows": 8.0, "grad_norm": 0.01}] * 4
@@ -203,10 +188,10 @@ def test_learning_benchmark_summary_reports_the_double_batch_control_apart_from_
             "bpo": [run(90, [0.3, 0.8, 0.9])] * 2, learning.CONTROL: [run(200, [0.3, 0.8, 0.9])] * 2}
     rng = np.random.default_rng(0)
     g = rng.standard_normal((6, 20))
-    args = argparse.Namespace(updates=4, eval_every=2, seeds=2, grad_draws=6)
-    out = learning.summarize(task, runs, {"bpo": (g @ g.T, 1.0), "rloo": (g @ g.T, 1.0)}, args)
+    out = learning.summarize("late", runs, {"bpo": (g @ g.T, 1.0), "rloo": (g @ g.T, 1.0)}, target=0.75, updates=4,
+                             eval_every=2, batch=batch)
     assert out["updates_to_target"][learning.CONTROL] == [2, 2] and out["updates_to_target"]["rloo"] == [4, 4]
     assert out["updates_to_target_rloo_2n_over_rloo"] == 0.5
     assert out["final_success_rloo_2n_minus_rloo"] == pytest.approx(0.2)
-    assert out["matched_tokens"] == [90 * 4 * learning.BATCH] * 2  # BPO's, not the control's or the baselines'
+    assert out["matched_tokens"] == [90 * 4 * batch] * 2  # BPO's, not the control's or the baselines'
     assert learning.CONTROL not in out["success_at_matched_tokens"]

@@ -32,13 +32,14 @@ import numpy as np
 from sandbox_adapters.registry import make_sandbox
 from verl_bpo.core.config import BPOConfig
 from verl_bpo.core.fork_policy import ForkPolicy
+from verl_bpo.core.packing import LeafTokens, pack_tree
 from verl_bpo.integration.actor_loss import actor_loss
 from verl_bpo.integration.batch_layout import rows_per_tree
 from verl_bpo.local.hf_client import BatchedHFClient, TemplateCodec
 from verl_bpo.rollout.sampler import TreeSampler
 from verl_bpo.rollout.tree_state import Leaf, TreeResult
 
-__all__ = ["LocalRLConfig", "LocalRL", "StepStats"]
+__all__ = ["LocalRLConfig", "LocalRL", "StepStats", "trained_tokens"]
 
 
 @dataclasses.dataclass
@@ -86,6 +87,22 @@ class StepStats:
     trainer_rows: float
     zero_advantage_share: float
     tree_tokens: list[float] = dataclasses.field(default_factory=list)  # generated tokens of each task's tree
+    # Tokens the trainer forwards and back-propagates per tree: one row per leaf (verl's layout: prompt + response,
+    # the response cut at ``response_length``), and the tree packed into one row (``bpo.packed``,
+    # :func:`~verl_bpo.core.packing.pack_tree`: the prompt and each unique response token once, plus bridges).
+    trained_tokens_leaf: float = 0.0
+    trained_tokens_packed: float = 0.0
+
+
+def trained_tokens(result: TreeResult, response_length: int) -> tuple[int, int]:
+    """One tree's trained tokens in the leaf layout and packed (:class:`StepStats`). A flat group packs too (its
+    leaves share the prompt); which layout an estimator trains with is the caller's to say."""
+    rows = [LeafTokens(np.asarray(leaf.transcript.token_ids[: leaf.transcript.prompt_length]),
+                       np.asarray(leaf.transcript.response_ids[:response_length]), leaf.meta)
+            for leaf in result.leaves]
+    if not rows:  # a tree that never started trains nothing
+        return 0, 0
+    return sum(len(r.prompt) + len(r.response) for r in rows), len(pack_tree(rows).input_ids)
 
 
 class LocalRL:
@@ -217,6 +234,8 @@ class LocalRL:
         def mean(key: str) -> float:
             return float(np.mean([r.metrics[key] for r in results]))
 
+        trained = np.array([trained_tokens(r, self.config.response_length) for r in results], dtype=float)
+
         return StepStats(
             success_rate=mean("bpo/success_rate"),
             leaf_return=mean("bpo/leaf_return"),
@@ -226,4 +245,6 @@ class LocalRL:
             trainer_rows=mean("bpo/trainer_rows"),
             zero_advantage_share=float(zero.float().mean()),
             tree_tokens=[float(r.metrics["bpo/generated_tokens"]) for r in results],
+            trained_tokens_leaf=float(trained[:, 0].mean()),
+            trained_tokens_packed=float(trained[:, 1].mean()),
         )

@@ -1,0 +1,212 @@
+"""The learning benchmark's summary and qualification rule (``benchmarks/learning.py``) on synthetic runs, no model.
+
+A task counts for the paper's claims only when the control alone shows it is noise-limited: RLOO with 2N rollouts
+reaches the target in <= 0.75x RLOO's updates, with the upper end of that ratio's CI95 below 1.0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+UPDATES, EVAL_EVERY, BATCH, TARGET, SEEDS = 8, 2, 4, 0.75, 6
+
+
+def load():
+    """``benchmarks/learning.py`` as a module (benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py"
+    spec = importlib.util.spec_from_file_location("learning_benchmark_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+learning = load()
+
+
+def run(curve: list[float], tokens: float = 100.0, leaf: float = 300.0, packed: float = 200.0) -> dict:
+    """A synthetic run: evaluated every EVAL_EVERY updates from update 0; per-tree costs on every step."""
+    steps = [{"generated_tokens": tokens, "env_steps": 5.0, "trainer_rows": 8.0, "trained_tokens_leaf": leaf,
+              "trained_tokens_packed": packed, "grad_norm": 0.01, "tree_tokens": [tokens] * BATCH}] * UPDATES
+    return {"curve": list(zip(range(0, UPDATES + 1, EVAL_EVERY), curve)), "steps": steps}
+
+
+SLOW = [0.3, 0.4, 0.5, 0.6, 0.8]  # reaches 0.75 at update 8; final (mean of the last two) 0.7
+FAST = [0.3, 0.5, 0.8, 0.85, 0.85]  # reaches 0.75 at update 4; final 0.85
+NEVER = [0.3, 0.4, 0.5, 0.6, 0.7]  # censored: counts as UPDATES + EVAL_EVERY = 10
+
+
+def grams(scale_b: float = 2.0, draws: int = 16, dim: int = 30) -> tuple[np.ndarray, np.ndarray]:
+    g = np.random.default_rng(1).standard_normal((draws, dim)) + 0.5
+    return (scale_b * g) @ (scale_b * g).T, g @ g.T
+
+
+def summarize(name: str, runs: dict, grads: dict) -> dict:
+    return learning.summarize(name, runs, grads, target=TARGET, updates=UPDATES, eval_every=EVAL_EVERY, batch=BATCH)
+
+
+def noise_limited_runs() -> dict:
+    return {"rloo": [run(SLOW)] * SEEDS, learning.CONTROL: [run(FAST, tokens=200.0, leaf=600.0, packed=400.0)] * SEEDS,
+            "grpo": [run(SLOW)] * SEEDS, "bpo": [run(FAST, tokens=90.0, leaf=500.0, packed=150.0)] * SEEDS}
+
+
+def test_a_noise_limited_task_qualifies_and_its_targets_are_evaluated():
+    gram_b, gram_r = grams(scale_b=2.0)  # BPO's draws twice RLOO's: 4x the variance, at half the tokens: 2.0
+    out = summarize("hard_late", noise_limited_runs(), {"bpo": (gram_b, 100.0), "rloo": (gram_r, 200.0)})
+    assert out["updates_to_target"][learning.CONTROL] == [4] * SEEDS and out["updates_to_target"]["rloo"] == [8] * 6
+    assert out["qualified"] is True
+    assert out["updates_to_target_rloo_2n_over_rloo"] == 0.5
+    assert out["ci95"]["updates_to_target_rloo_2n_over_rloo"] == [0.5, 0.5]
+    assert out["qualification"]["qualified"] is True and out["qualification"]["max_ratio"] == 0.75
+    assert out["qualification"]["updates_to_target_rloo_2n_over_rloo"] == 0.5
+    assert out["final_success_rloo_2n_minus_rloo"] == pytest.approx(0.15)
+    assert out["updates_to_target_bpo_over_grpo"] == 0.5
+    assert out["final_success_bpo_minus_grpo"] == pytest.approx(0.15)
+    assert out["grad_var_bpo_over_rloo"] == pytest.approx(2.0)
+    targets = out["targets"]
+    assert set(targets) == {"updates_to_target_bpo_over_grpo", "final_success_bpo_minus_grpo",
+                            "grad_var_bpo_over_rloo"}
+    assert targets["updates_to_target_bpo_over_grpo"] == {"target": "<= 0.62", "value": 0.5, "met": True}
+    assert targets["final_success_bpo_minus_grpo"]["met"] is True
+    assert targets["final_success_bpo_minus_grpo"]["target"] == ">= +0.036"
+    assert targets["grad_var_bpo_over_rloo"] == {"target": "<= 0.5", "value": 2.0, "met": False}
+    # per-update costs for every estimator, the control included: per tree x BATCH
+    assert out["per_update"][learning.CONTROL] == {"generated_tokens": 800.0, "env_steps": 20.0, "trainer_rows": 32.0,
+                                                   "trained_tokens_leaf": 2400.0, "trained_tokens_packed": 1600.0}
+    assert out["per_update"]["bpo"]["trained_tokens_packed"] == 600.0
+    assert out["per_update"]["bpo"]["trained_tokens_leaf"] == 2000.0
+    assert set(out["per_update"]) == {"bpo", "grpo", "rloo", learning.CONTROL}
+
+
+def test_an_early_decision_task_has_the_tie_target_only():
+    gram_b, gram_r = grams()
+    runs = noise_limited_runs()
+    runs["bpo"] = [run([0.3, 0.4, 0.5, 0.6, 0.74])] * SEEDS  # final 0.67 against RLOO's 0.7: -0.03 < -0.02
+    out = summarize("hard_early", runs, {"bpo": (gram_b, 100.0), "rloo": (gram_r, 100.0)})
+    assert out["qualified"] is True
+    assert out["targets"] == {"final_success_bpo_minus_rloo": {"target": ">= -0.02", "value": -0.03, "met": False}}
+
+
+def test_a_step_bound_task_does_not_qualify_and_its_targets_do_not_apply():
+    runs = noise_limited_runs()
+    runs[learning.CONTROL] = [run(SLOW, tokens=200.0)] * SEEDS  # twice the rollouts, the same updates
+    gram_b, gram_r = grams()
+    out = summarize("late", runs, {"bpo": (gram_b, 100.0), "rloo": (gram_r, 100.0)})
+    assert out["updates_to_target_rloo_2n_over_rloo"] == 1.0
+    assert out["ci95"]["updates_to_target_rloo_2n_over_rloo"] == [1.0, 1.0]
+    assert out["qualified"] is False and out["qualification"]["qualified"] is False
+    assert out["targets"] == "not applicable: task not noise-limited"
+    assert out["updates_to_target_bpo_over_grpo"] == 0.5  # still reported
+
+
+def test_borderline_ratio_with_an_upper_ci_at_or_above_one_does_not_qualify():
+    # Mean 44/6 against 10: 0.733 <= 0.75, but one seed much slower makes the ratio uncertain: resamples that draw
+    # that seed 3 times of 6 give (2 + 32 * 3 / 6) / 10 = 1.8, which the bootstrap's 97.5th percentile reaches.
+    q = learning.qualification([2, 2, 2, 2, 2, 34], [10] * 6, snr_rloo=0.5)
+    assert q["updates_to_target_rloo_2n_over_rloo"] == pytest.approx(44 / 60, abs=1e-4)
+    assert q["ci95"] == [0.2, 1.8]
+    assert q["qualified"] is False
+    assert q["snr_rloo"] == 0.5
+    # the same seeds without the slow one qualify; at exactly the bound with no spread too
+    assert learning.qualification([2] * 6, [10] * 6)["qualified"] is True
+    assert learning.qualification([6] * 6, [8] * 6)["qualified"] is True  # 0.75 <= 0.75, CI [0.75, 0.75]
+    assert learning.qualification([7] * 6, [9] * 6)["qualified"] is False  # 0.778 > 0.75
+
+
+def test_censored_seeds_count_as_updates_plus_eval_every():
+    assert learning.updates_to_target(run(NEVER), TARGET, UPDATES + EVAL_EVERY) == 10
+    assert learning.updates_to_target(run(SLOW), TARGET, UPDATES + EVAL_EVERY) == 8
+    runs = noise_limited_runs()
+    runs["rloo"] = [run(SLOW)] * 5 + [run(NEVER)]
+    runs["grpo"] = [run(SLOW)] * 5 + [run(NEVER)]
+    gram_b, gram_r = grams()
+    out = summarize("hard_late", runs, {"bpo": (gram_b, 100.0), "rloo": (gram_r, 100.0)})
+    assert out["censored_at"] == 10
+    assert out["updates_to_target"]["rloo"] == [8, 8, 8, 8, 8, 10]
+    assert out["qualification"]["updates_to_target"] == {learning.CONTROL: [4] * 6, "rloo": [8, 8, 8, 8, 8, 10]}
+    assert out["updates_to_target_rloo_2n_over_rloo"] == 0.48  # 4 * 6 / (8 * 5 + 10)
+    # a censored seed's tokens to target: its mean rate (100 per tree x 4) over 10 updates
+    assert out["tokens_to_target"]["grpo"] == [3200] * 5 + [4000]
+
+
+def test_tokens_to_target_and_success_at_matched_tokens():
+    r = {"steps": [{"generated_tokens": 10.0}, {"generated_tokens": 30.0}], "curve": [(0, 0.2), (2, 0.6)]}
+    assert learning.tokens_until(r, 1, 4) == 40.0
+    assert learning.tokens_until(r, 2, 4) == 160.0
+    assert learning.tokens_until(r, 4, 4) == 320.0  # censored: its mean rate, 80 per update
+    assert learning.success_at_tokens(r, 80.0, 4) == pytest.approx(0.4)  # half the tokens spent
+    assert learning.success_at_tokens(r, 0.0, 4) == 0.2
+    gram_b, gram_r = grams()
+    out = summarize("hard_late", noise_limited_runs(), {"bpo": (gram_b, 100.0), "rloo": (gram_r, 100.0)})
+    # BPO generated least (90 per tree x 4 x 8 = 2880); the control (twice RLOO's tokens) never sets the point
+    assert out["matched_tokens"] == [2880] * SEEDS
+    assert learning.CONTROL not in out["success_at_matched_tokens"]
+    # GRPO at 2880 tokens = 7.2 updates of 400: between (6, 0.6) and (8, 0.8) -> 0.72; BPO at its end, 0.85
+    assert out["success_at_matched_tokens"]["grpo"] == [0.72] * SEEDS
+    assert out["success_at_matched_tokens"]["bpo"] == [0.85] * SEEDS
+    assert out["success_at_matched_tokens_bpo_minus_grpo"] == pytest.approx(0.13)
+    assert out["tokens_to_target"]["bpo"] == [1440] * SEEDS and out["tokens_to_target"]["grpo"] == [3200] * SEEDS
+    assert out["tokens_to_target_bpo_over_grpo"] == 0.45
+
+
+def test_gradient_variance_ratio_and_signal_to_noise_match_numpy():
+    rng = np.random.default_rng(7)
+    g_b = rng.standard_normal((24, 40)) * 0.5 + 0.3
+    g_r = rng.standard_normal((24, 40)) + 0.2
+    out = summarize("hard_late", noise_limited_runs(), {"bpo": (g_b @ g_b.T, 120.0), "rloo": (g_r @ g_r.T, 100.0)})
+    var_b, var_r = g_b.var(axis=0, ddof=1).sum(), g_r.var(axis=0, ddof=1).sum()
+    assert out["grad_var_bpo_over_rloo"] == pytest.approx(var_b * 120.0 / (var_r * 100.0), abs=1e-4)
+
+    def snr(g: np.ndarray) -> float:  # ‖E ĝ‖² unbiased: the mean inner product of distinct draws
+        n = len(g)
+        total = g.sum(axis=0)
+        mean_sq = (total @ total - (g * g).sum()) / (n * (n - 1))
+        return mean_sq / g.var(axis=0, ddof=1).sum()
+
+    assert out["snr_rloo"] == pytest.approx(snr(g_r), abs=1e-4)
+    assert out["qualification"]["snr_rloo"] == out["snr_rloo"]
+    assert out["grad_signal_to_noise"]["bpo"] == pytest.approx(snr(g_b), abs=1e-4)
+    # few draws: resamples that repeat one draw have no variance; they are left out of the CI, not a crash
+    few = summarize("hard_late", noise_limited_runs(), {"bpo": (g_b[:3] @ g_b[:3].T, 1.0),
+                                                        "rloo": (g_r[:3] @ g_r[:3].T, 1.0)})
+    lo, hi = few["ci95"]["grad_var_bpo_over_rloo"]
+    assert 0 < lo <= hi
+
+
+def test_a_task_already_at_the_target_does_not_qualify():
+    q = learning.qualification([0] * 6, [0] * 6)  # 0 / 0: no updates to save
+    assert q["qualified"] is False and np.isnan(q["updates_to_target_rloo_2n_over_rloo"])
+
+
+def test_default_tasks_leave_out_the_step_bound_reference():
+    from verl_bpo.demo.tasks import TASKS
+
+    others = [t for t in TASKS if t not in learning.REFERENCE_TASKS]
+    assert learning.default_tasks() == (others or list(TASKS))
+    assert [learning.task_form(t) for t in ("late", "hard_late", "real_late", "early", "hard_early", "x")] == [
+        "late", "late", "late", "early", "early", None]
+
+
+def test_trained_tokens_of_a_tree_in_leaf_and_packed_layout():
+    """Two leaves sharing their first turn ([10, 11]) below a 3-token prompt, then forking."""
+    from verl_bpo.core.leaf_meta import LeafMeta
+    from verl_bpo.local.trainer import trained_tokens
+    from verl_bpo.rollout.protocols import Transcript
+    from verl_bpo.rollout.tree_state import Leaf, TreeResult
+
+    def leaf(i: int, path: tuple, response: list[int], spans: tuple) -> Leaf:
+        transcript = Transcript([], [1, 2, 3, *response], 3, [1] * len(response), [0.0] * len(response),
+                                [s for s, _ in spans])
+        return Leaf(transcript, LeafMeta("t", i, path, spans, 0.5), 0.0)
+
+    tree = TreeResult([leaf(0, (0, 1, 2), [10, 11, 20, 21, 22], ((0, 2), (2, 5))),
+                       leaf(1, (0, 1, 3), [10, 11, 30], ((0, 2), (2, 3)))], {})
+    # leaf rows: (3 + 5) + (3 + 3); packed: prompt 3 + shared turn 2 + [20, 21, 22] + a bridge + [30]
+    assert trained_tokens(tree, 384) == (14, 10)
+    cut = TreeResult([leaf(0, (0, 1, 2), [10, 11, 20, 21, 22], ((0, 2), (2, 4))), tree.leaves[1]], {})
+    assert trained_tokens(cut, 4) == (13, 9)  # the first leaf's response cut at 4 tokens, as the trainer sends it
+    flat = TreeResult([leaf(0, (0, 1), [10, 11], ((0, 2),)), leaf(1, (0, 2), [10, 11], ((0, 2),))], {})
+    assert trained_tokens(flat, 384) == (10, 8)  # a flat group shares only its prompt (plus a bridge)
