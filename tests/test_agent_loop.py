@@ -185,3 +185,78 @@ def test_dataset_rows_from_verl_bpo_data_drive_the_loop(tokenizer, tmp_path):
     outputs = asyncio.run(go())
     assert tokenizer.decode(outputs[0].prompt_ids).count("room") >= 1
     assert {o.extra_fields[META_KEY]["tree_id"] for o in outputs} == {"uid-d"}
+
+
+# --- a row's own tree budget (extra_info.bpo_budget) ---------------------------------------------------------------
+def test_row_budget_reads_the_field_and_refuses_bad_values():
+    from verl_bpo.integration.agent_loop import row_budget, row_task
+
+    assert row_budget({"task": "{}"}) is None and row_budget({"bpo_budget": None}) is None  # absent, or null
+    assert row_budget({"bpo_budget": np.float64(96.0)}) == 96.0 and row_budget({"bpo_budget": 3}) == 3.0
+    for bad in (0, -5.0, float("nan"), float("inf"), "100", True):
+        with pytest.raises(ValueError, match=r"extra_info\.bpo_budget of uid u7 must be a positive number"):
+            row_budget({"bpo_budget": bad}, "u7")
+    where = row_task({"task": '{"task_id": 3}', "bpo_budget": 40.0}, {"name": "smoke", "config": {}})
+    assert where.budget == 40.0 and where.task == {"task_id": 3}
+    # the budget is no part of the task's identity: its learned episode cost stays keyed the same
+    assert where.key == row_task({"task": {"task_id": 3}}, {"name": "smoke", "config": {}}).key
+
+
+async def _grow_rows(config, tokenizer, rows, sessions):
+    """Every session of ``rows`` (training rows of ``rollout_states``), as verl's worker starts them."""
+    server = FakeServer(tokenizer)
+    tasks = [[asyncio.create_task(make_loop(config, tokenizer, server).run({"temperature": 1.0}, session_id=i, **row))
+              for i in range(sessions)] for row in rows]
+    return [[o for o in await asyncio.gather(*group) if o != []] for group in tasks]
+
+
+def test_a_rows_budget_is_its_trees_budget_and_every_trees_spend_is_logged(tokenizer, tmp_path):
+    """extra_info.bpo_budget reaches the sampler as the tree's root budget (bpo/budget, bpo/budget_from_row); the
+    trainer's tree log lists every tree's task and spend, read from the rows as TransferQueue returns them."""
+    import json
+
+    from verl_bpo.integration.agent_loop import TREE_TASK_KEY
+    from verl_bpo.integration.trainer import append_tree
+
+    config = make_config(n=4, allocation="learned", budget="tokens", max_leaves=8, warmup_trees=0,
+                         explore_share=0.0)
+    bpo = BPOConfig.from_mapping(OmegaConf.to_container(config.bpo)).for_estimator("bpo")
+    extra_infos = [{"task": {"task_id": 1}, "bpo_budget": 37.0}, {"task": {"task_id": 2}}]
+    states = rollout_states(ForkPolicy(bpo), 8, extra_infos, {"name": "smoke", "config": {}})
+    rows = [{"uid": f"u{i}", "index": i, "extra_info": e, STATE_KEY: s}
+            for i, (e, s) in enumerate(zip(extra_infos, states))]
+    given, learned = asyncio.run(_grow_rows(config, tokenizer, rows, 8))
+    metrics = given[0].extra_fields[TREE_METRICS_KEY]
+    assert metrics["bpo/budget"] == 37.0 and metrics["bpo/budget_from_row"] == 1.0
+    assert learned[0].extra_fields[TREE_METRICS_KEY]["bpo/budget_from_row"] == 0.0
+    assert learned[0].extra_fields[TREE_METRICS_KEY]["bpo/budget"] != 37.0
+    assert given[0].extra_fields[TREE_TASK_KEY] == {"task_id": 1}
+    assert all(TREE_TASK_KEY not in o.extra_fields for o in given[1:])  # leaf 0 only, as the metrics
+
+    fields = [o.as_dict() for o in given + learned]
+    uids = ["u0"] * len(given) + ["u1"] * len(learned)
+    extra = column(list_of_dict_to_tensordict(fields), "extra_fields")
+    log = tmp_path / "trees.jsonl"
+    append_tree(str(log), 3, uids, extra)
+    line = json.loads(log.read_text())
+    assert line["step"] == 3 and line["uid"] == "u0" and len(line["leaves"]) == len(given)
+    trees = line["trees"]
+    assert [t["uid"] for t in trees] == ["u0", "u1"] and [t["task"] for t in trees] == [{"task_id": 1}, {"task_id": 2}]
+    assert trees[0]["budget"] == 37.0
+    for tree, outs in zip(trees, (given, learned)):
+        assert tree["generated_tokens"] == outs[0].extra_fields[TREE_METRICS_KEY]["bpo/generated_tokens"] > 0
+        assert tree["env_steps"] == outs[0].extra_fields[TREE_METRICS_KEY]["bpo/env_steps"] > 0
+
+
+def test_flat_groups_ignore_a_rows_budget_and_log_their_task(tokenizer):
+    """GRPO's groups run through the same loop: a row's budget changes nothing there, and leaf 0 names the task
+    (the tree log's per-task spend of a GRPO run)."""
+    from verl_bpo.integration.agent_loop import TREE_TASK_KEY
+
+    config = make_config(estimator="grpo", n=4, allocation="learned", budget="tokens", max_leaves=8)
+    extra_info = {"task": {"task_id": 4}, "bpo_budget": 5.0}
+    row = {"uid": "g", "index": 0, "extra_info": extra_info, STATE_KEY: training_state(config, 4)}
+    (outputs,) = asyncio.run(_grow_rows(config, tokenizer, [row], 4))
+    assert len(outputs) == 4 and outputs[0].extra_fields[TREE_TASK_KEY] == {"task_id": 4}
+    metrics = outputs[0].extra_fields[TREE_METRICS_KEY]
+    assert "bpo/budget" not in metrics and "bpo/budget_from_row" not in metrics

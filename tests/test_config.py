@@ -409,6 +409,56 @@ def test_rows_the_tree_loop_cannot_run_are_refused(compose_bpo, tmp_path, edits,
         prepare_config(cfg)
 
 
+def budget(value):
+    def edit(extra):
+        extra["bpo_budget"] = value
+
+    return edit
+
+
+LEARNED_TOKENS = ("bpo.allocation=learned", "bpo.budget=tokens")
+
+
+@pytest.mark.parametrize(
+    "value,extra,message",
+    [
+        (0.0, LEARNED_TOKENS, r"rows\.parquet: row 1: extra_info\.bpo_budget of uid row 1 must be a positive number"),
+        (-3.0, LEARNED_TOKENS, r"row 1: extra_info\.bpo_budget .* must be a positive number .* got -3\.0"),
+        ("96", LEARNED_TOKENS, r"row 1: extra_info\.bpo_budget .* must be a positive number .* got '96'"),
+        (50.0, (), r"rows\.parquet: row 1 has extra_info\.bpo_budget=50, a tree budget, but bpo\.allocation=fixed "
+                   r"grows exactly actor_rollout_ref\.rollout\.n leaves per tree and would ignore it; set "
+                   r"bpo\.allocation=learned"),
+    ],
+)
+def test_a_bad_row_budget_is_refused(compose_bpo, tmp_path, value, extra, message):
+    rows = rows_file(tmp_path / "rows.parquet", keep, budget(value))
+    with pytest.raises(ValueError, match=message):
+        prepare_config(compose_bpo("actor_rollout_ref.rollout.n=4", *data_overrides(rows), *extra))
+
+
+def test_row_budgets_pass_for_learned_trees_and_flat_baselines(compose_bpo, tmp_path):
+    """A learned tree reads a row's budget (rows with and without one mix in a file); flat groups ignore it, so a
+    GRPO run may train on the BPO run's rows whatever its allocation."""
+    rows = rows_file(tmp_path / "rows.parquet", keep, budget(64.0))
+    prepare_config(compose_bpo("actor_rollout_ref.rollout.n=4", *data_overrides(rows), *LEARNED_TOKENS))
+    prepare_config(compose_bpo("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", *data_overrides(rows)))
+
+
+def test_rows_carry_their_budgets_through_parquet(tmp_path):
+    import pandas as pd
+
+    rows = sandbox_rows("smoke", [{"task_id": 0}, {"task_id": 1}, {"task_id": 2}], {"length": 3}, render=False,
+                        budgets=[12, None, 40.5])
+    back = pd.read_parquet(write_sandbox_dataset(tmp_path / "rows.parquet", rows))["extra_info"].tolist()
+    assert [e["bpo_budget"] for e in back[::2]] == [12.0, 40.5]
+    assert back[1].get("bpo_budget") is None  # a row without one: null in a file whose other rows carry one
+    assert "bpo_budget" not in sandbox_rows("smoke", [{"task_id": 0}], {"length": 3}, render=False)[0]["extra_info"]
+    with pytest.raises(ValueError, match=r"2 budgets for 3 tasks"):
+        sandbox_rows("smoke", [{"task_id": i} for i in range(3)], {"length": 3}, render=False, budgets=[1.0, 2.0])
+    with pytest.raises(ValueError, match=r"the budget of task 1 must be a positive number"):
+        sandbox_rows("smoke", [{"task_id": 0}, {"task_id": 1}], {"length": 3}, render=False, budgets=[1.0, 0])
+
+
 def test_rows_without_a_sandbox_run_in_an_explicit_bpo_sandbox_that_takes_their_tasks(compose_bpo, tmp_path):
     rows = rows_file(tmp_path / "rows.parquet", no_sandbox, no_sandbox)
     cfg = compose_bpo("actor_rollout_ref.rollout.n=4", *data_overrides(rows), "bpo.sandbox.name=signpost")

@@ -325,24 +325,77 @@ def test_the_cpu_demo_runs_compose_and_differ_only_in_the_estimator(tmp_path):
 
     demo = cpu_demo
     settings = demo.DemoSettings()
+    tasks = demo.TASK.tasks(range(4))
     for split in ("train", "val"):  # the checks before Ray read the datasets
         write_sandbox_dataset(tmp_path / f"{split}.parquet", sandbox_rows(
-            demo.TASK.sandbox, demo.TASK.tasks(range(4)), demo.TASK.sandbox_config, split=split))
+            demo.TASK.sandbox, tasks, demo.TASK.sandbox_config, split=split))
+    # BPO's training rows: GRPO's, each with its task's budget from GRPO's tree log
+    write_sandbox_dataset(tmp_path / "train_bpo.parquet", demo.matched_rows(grpo_tree_log(tasks), tasks))
+    train = {"bpo": tmp_path / "train_bpo.parquet", "grpo": tmp_path / "train.parquet"}
 
     def compose_run(estimator):
-        return compose_recipe(demo.run_overrides(estimator, tmp_path / "model", tmp_path / "train.parquet",
+        return compose_recipe(demo.run_overrides(estimator, tmp_path / "model", train[estimator],
                                                  tmp_path / "val.parquet", tmp_path / "out", 12, settings))
 
     configs = {e: flat(compose_run(e)) for e in ("bpo", "grpo")}
     differ = {k for k in configs["bpo"].keys() | configs["grpo"].keys()
               if configs["bpo"].get(k) != configs["grpo"].get(k)}
-    assert differ == {"algorithm.adv_estimator"}
+    assert differ == {"algorithm.adv_estimator", "data.train_files"}
+    bpo_rows, grpo_rows = (pd.read_parquet(train[e]).to_dict("records") for e in ("bpo", "grpo"))
+    for b, g in zip(bpo_rows, grpo_rows, strict=True):  # the same rows in the same order, plus the budgets
+        assert b["extra_info"].pop("bpo_budget") > 0
+        assert json.dumps(b, sort_keys=True, default=str) == json.dumps(g, sort_keys=True, default=str)
     cfg = compose_run("bpo")
     bpo = prepare_config(cfg)
     assert cfg.actor_rollout_ref.rollout.n == settings.n_leaves and cfg.data.train_batch_size == settings.batch_size
     assert bpo.allocation == "learned" and bpo.budget == "tokens" and bpo.tree_log.endswith("trees.jsonl")
     assert bpo.sandbox.name == demo.TASK.sandbox and dict(bpo.sandbox.config) == dict(demo.TASK.sandbox_config)
     assert cfg.trainer.test_freq > 0 and cfg.data.val_files.endswith("val.parquet")  # held-out evaluation
+    # Both runs train with the learning benchmark's AdamW eps: with torch's 1e-8 one early update can break the warm
+    # start's turn format (turns that run on to max_tokens_per_turn), which the demo then reads as a BPO effect.
+    assert cfg.actor_rollout_ref.actor.optim.override_optimizer_config.eps == settings.adam_eps == 1e-5
     make_sandbox(bpo.sandbox.name, dict(bpo.sandbox.config)).close()  # the sandbox accepts the demo's settings
     # verl stops after one pass over the task set on CPU: the default steps must fit in it
     assert 24 * settings.batch_size <= len(demo.TASK.train_ids)
+
+
+def grpo_tree_log(tasks, tokens=lambda i: 90.0 + i, per_step=2) -> list[str]:
+    """``bpo.tree_log`` lines of a GRPO run (as ``append_tree`` writes them) that trained on each task once."""
+    lines = []
+    for step, start in enumerate(range(0, len(tasks), per_step), 1):
+        trees = [{"uid": f"u{i}", "task": dict(tasks[i]), "generated_tokens": tokens(i), "env_steps": 8.0 * (i + 1)}
+                 for i in range(start, min(start + per_step, len(tasks)))]
+        lines.append(json.dumps({"step": step, "uid": trees[0]["uid"], "leaves": [], "metrics": {}, "trees": trees}))
+    return lines
+
+
+def test_the_demo_budgets_each_bpo_tree_with_grpos_group_on_its_task():
+    demo = cpu_demo
+    tasks = demo.TASK.tasks(range(5))
+    log = grpo_tree_log(list(reversed(tasks)))  # GRPO's order is its dataloader's, not the rows'
+    assert demo.matched_budgets(log, tasks) == [94.0, 93.0, 92.0, 91.0, 90.0]
+    rows = demo.matched_rows(log, tasks)
+    assert [json.loads(r["extra_info"]["task"]) for r in rows] == tasks
+    assert [r["extra_info"]["bpo_budget"] for r in rows] == [94.0, 93.0, 92.0, 91.0, 90.0]
+    assert rows[0]["prompt"] == sandbox_rows(demo.TASK.sandbox, tasks[:1], demo.TASK.sandbox_config)[0]["prompt"]
+    with pytest.raises(ValueError, match=r"no group for 1 of the 6 training tasks \(first: \{\"task_id\": 5\}\)"):
+        demo.matched_budgets(log, demo.TASK.tasks(range(6)))
+    with pytest.raises(ValueError, match=r"task \{\"task_id\": 0\} was trained on at steps 1 and 3"):
+        demo.matched_budgets(grpo_tree_log(tasks + tasks[:1]), tasks)
+    with pytest.raises(ValueError, match=r"generated no tokens"):
+        demo.matched_budgets(grpo_tree_log(tasks, tokens=lambda i: 0.0), tasks)
+    with pytest.raises(ValueError, match=r"no 'trees' list"):
+        demo.matched_budgets([json.dumps({"step": 1, "uid": "u", "leaves": [], "metrics": {}})], tasks)
+
+
+def test_the_demo_reports_bpo_spend_against_grpo_on_the_same_tasks():
+    tasks = cpu_demo.TASK.tasks(range(4))
+    grpo = grpo_tree_log(tasks, tokens=lambda i: 100.0)
+    bpo = [json.dumps({**json.loads(line), "trees": [{**t, "generated_tokens": 150.0, "budget": 100.0}
+                                                    for t in json.loads(line)["trees"]]}) for line in grpo]
+    bpo[-1] = bpo[-1].replace('"step": 2', '"step": 3')
+    spend = cpu_demo.spend_comparison(grpo, bpo)
+    assert spend == {"tasks": 4.0, "same_update_share": 0.5, "bpo_over_grpo_generated_tokens": 1.5,
+                     "bpo_spent_over_budget": 1.5}
+    assert "generated tokens per task and update" in cpu_demo.MATCHED_COMPUTE
+    assert cpu_demo.MATCHED_COMPUTE.replace("\n", " ") in " ".join(cpu_demo.__doc__.split())

@@ -268,3 +268,30 @@ def test_a_step_where_most_trees_never_start_stops_the_run():
     check_reset_failures(["a", "b", "c"], [leaf(True), leaf(False), leaf(False)])  # one of three: go on
     with pytest.raises(RuntimeError, match=r"2 of this step's 3 trees never started.*KeyError: 'task_id'"):
         check_reset_failures(["a", "b", "c"], [leaf(True), leaf(True), leaf(False)])
+
+
+def test_the_tree_log_lists_every_trees_task_and_spend(tmp_path):
+    """bpo.tree_log: per step, the first tree in full and every tree's spend (a GRPO group's too), in batch order;
+    verl's padding rows (copies of real rows) are no trees."""
+    from verl_bpo.integration.agent_loop import TREE_TASK_KEY
+    from verl_bpo.integration.trainer import append_tree
+
+    def leaf(tree, first, tokens=0.0, steps=0.0, **metrics):
+        extra = {"bpo": {"tree_id": tree}, "bpo_leaf": {"won": False}}
+        if first:
+            extra[TREE_METRICS_KEY] = {"bpo/generated_tokens": tokens, "bpo/env_steps": steps, **metrics}
+            extra[TREE_TASK_KEY] = {"task_id": int(tree[1:])}
+        return extra
+
+    uids = ["t7", "t7", "t3", "t3", "t3", "pad_0"]
+    extra = [leaf("t7", True, 60.0, 9.0, **{"bpo/budget": 64.0}), leaf("t7", False),
+             leaf("t3", False), leaf("t3", True, 41.0, 6.0), leaf("t3", False), leaf("t7", True, 60.0, 9.0)]
+    log = tmp_path / "logs" / "trees.jsonl"
+    trainer_module.append_tree(str(log), 1, uids, extra)
+    append_tree(str(log), 2, ["pad_1"], [leaf("t1", True, 5.0)])  # only padding: no line
+    (line,) = [json.loads(text) for text in log.read_text().splitlines()]
+    assert line["step"] == 1 and line["uid"] == "t7" and len(line["leaves"]) == 2
+    assert line["trees"] == [
+        {"uid": "t7", "task": {"task_id": 7}, "generated_tokens": 60.0, "env_steps": 9.0, "budget": 64.0},
+        {"uid": "t3", "task": {"task_id": 3}, "generated_tokens": 41.0, "env_steps": 6.0},
+    ]

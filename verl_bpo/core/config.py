@@ -69,8 +69,9 @@ class BPOConfig:
             N flat rollouts of this task would take: N times the task's episode as its last tree measured it,
             scaled by how the sandbox's average episode changed since (for a task not seen yet, N times the
             sandbox's average episode over recent trees); ``tokens``: their generated tokens; ``leaves``: at most N
-            leaves (what a path that ends early leaves unspent goes to the branches still running). A ``fixed``
-            tree always has the ``leaves`` budget, exactly N leaves.
+            leaves (what a path that ends early leaves unspent goes to the branches still running). A dataset
+            row's ``extra_info.bpo_budget`` (in this unit) replaces the learned amount for its task's tree. A
+            ``fixed`` tree always has the ``leaves`` budget, exactly N leaves.
         max_leaves: the most leaves a turn- or token-budget tree may grow (the sessions verl runs per task, so
             the trainer's rows per task at most); ``null`` (default) = 4 · N.
         warmup_trees: the run's first training trees, of exploration shape, before the profile decides
@@ -133,8 +134,10 @@ class BPOConfig:
             sequence parallelism (refused before Ray otherwise). Default true.
 
     sandbox: the default :class:`SandboxSpec`.
-    tree_log: a JSON-lines file the BPO trainer appends each training step's first tree to (its leaves' metadata,
-        returns, outcomes and the tree's metrics), for pictures and debugging; ``null`` (default) = none.
+    tree_log: a JSON-lines file the trainer appends a line to per training step: the step's first tree (its leaves'
+        metadata, returns, outcomes and the tree's metrics), for pictures and debugging, and under ``trees`` what
+        every tree of the step spent on which task (uid, the row's task, generated tokens, environment steps, and
+        the budget of a budgeted tree), under any estimator; ``null`` (default) = none.
     """
 
     mode: str = "auto"

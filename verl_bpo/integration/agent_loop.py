@@ -9,18 +9,23 @@ fork policy's state for the step's tasks, and the sessions it asked verl to run 
 from that state; every session, whenever it arrives, awaits the same tree and returns leaf ``session_id`` as an
 ordinary ``AgentLoopOutput``: prompt + all turns, environment tokens with ``response_mask = 0``, rollout
 log-probs, ``reward_score`` = the leaf return, and the tree metadata in ``extra_fields["bpo"]`` (plus, on leaf 0,
-the tree's metrics in ``extra_fields["bpo_tree_metrics"]`` and its record for the run's fork policy in
-``extra_fields["bpo_tree_record"]``). The entry is dropped when the last session has collected. A tree whose budget
-is turns or tokens may grow more leaves than ``rollout.n``: the trainer then runs ``bpo.max_leaves`` sessions per
-task (verl's ``__rollout_n__``), the tree's N stays ``rollout.n`` (the flat rollouts whose cost it matches), it grows
-at most one leaf per session, and the sessions left over return no output. Workers never learn: every tree plans
-on the state the trainer handed out, so every worker of a step plans on the same profile.
+the tree's metrics in ``extra_fields["bpo_tree_metrics"]``, its record for the run's fork policy in
+``extra_fields["bpo_tree_record"]``, and the row's task in ``extra_fields["bpo_tree_task"]``). The entry is dropped
+when the last session has collected. A tree whose budget is turns or tokens may grow more leaves than
+``rollout.n``: the trainer then runs ``bpo.max_leaves`` sessions per task (verl's ``__rollout_n__``), the tree's N
+stays ``rollout.n`` (the flat rollouts whose cost it matches), it grows at most one leaf per session, and the
+sessions left over return no output. Workers never learn: every tree plans on the state the trainer handed out, so
+every worker of a step plans on the same profile.
 
 **Validation** (a row without ``STATE_KEY``: verl's ``_validate`` submits its rows directly): each session plays one
 independent episode, exactly as a GRPO run validates, and nothing it does reaches the learned state.
 
 The sandbox and its task come from the dataset row: ``extra_info.sandbox`` (``{"name": ..., "config": {...}}`` or its
 JSON, default ``bpo.sandbox``) and ``extra_info.task`` (a mapping or its JSON); ``verl_bpo.data`` writes such rows.
+A training row may also carry ``extra_info.bpo_budget``: the tree's root budget in ``bpo.budget``'s unit under
+``bpo.allocation=learned`` (e.g. the tokens a baseline's group generated on the task, for a comparison at matched
+compute), used instead of the learned one; flat groups and validation episodes ignore it. Trees that used it log
+``bpo/budget_from_row`` = 1.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
+import numbers
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -45,14 +52,16 @@ from verl_bpo.rollout.protocols import ChatCodec, Transcript
 from verl_bpo.rollout.sampler import TreeSampler
 from verl_bpo.rollout.tree_state import Leaf, TreeResult
 
-__all__ = ["AGENT_NAME", "TREE_METRICS_KEY", "TREE_RECORD_KEY", "STATE_KEY", "BPOTreeAgentLoop", "VerlChatCodec",
-           "row_task", "task_key"]
+__all__ = ["AGENT_NAME", "TREE_METRICS_KEY", "TREE_RECORD_KEY", "TREE_TASK_KEY", "STATE_KEY", "BUDGET_FIELD",
+           "BPOTreeAgentLoop", "VerlChatCodec", "row_task", "row_budget", "task_key"]
 
 logger = logging.getLogger(__name__)
 
 AGENT_NAME = "bpo_tree"
 TREE_METRICS_KEY = "bpo_tree_metrics"
 TREE_RECORD_KEY = "bpo_tree_record"
+TREE_TASK_KEY = "bpo_tree_task"  # leaf 0's extra field: the row's task (for the trainer's tree log)
+BUDGET_FIELD = "bpo_budget"  # a row's extra_info field: its tree's root budget, in bpo.budget's unit
 STATE_KEY = "bpo_allocation_state"  # the training row's column: JSON of {"policy": ..., "sessions": ...}
 
 class VerlChatCodec:
@@ -91,6 +100,7 @@ class RowTask:
     sandbox: str
     sandbox_config: dict[str, Any]
     task: dict[str, Any]
+    budget: float | None = None  # extra_info.bpo_budget: the tree's root budget (learned allocation), if given
 
     @property
     def key(self) -> str:
@@ -104,7 +114,19 @@ def row_task(extra_info: Mapping[str, Any] | None, default_sandbox: Mapping[str,
     task = _plain(extra.get("task") or {})
     if not isinstance(task, Mapping):
         raise ValueError(f"extra_info.task of uid {uid} must be a mapping (or its JSON), got {type(task).__name__}")
-    return RowTask(spec["name"], dict(spec.get("config") or {}), dict(task))
+    return RowTask(spec["name"], dict(spec.get("config") or {}), dict(task), row_budget(extra, uid))
+
+
+def row_budget(extra_info: Mapping[str, Any] | None, uid: str = "?") -> float | None:
+    """A row's ``extra_info.bpo_budget`` as a float, ``None`` when absent (or null: a parquet file whose other rows
+    carry one). Anything but a positive finite number is an error naming the field."""
+    value = _python((extra_info or {}).get(BUDGET_FIELD))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"extra_info.{BUDGET_FIELD} of uid {uid} must be a positive number (the tree's budget in "
+                         f"bpo.budget's unit: turns, tokens or leaves), got {value!r}")
+    return float(value)
 
 
 def task_key(sandbox: str, sandbox_config: Mapping[str, Any], task: Mapping[str, Any]) -> str:
@@ -154,7 +176,8 @@ class BPOTreeAgentLoop(AgentLoopBase):
             return []  # fewer leaves than sessions (the budget could not be spent): this session has none
         first = session == 0
         return self._output(result.leaves[session], result.metrics if first else None, result.weight_versions,
-                            result.record.to_dict() if first and result.record is not None else None)
+                            result.record.to_dict() if first and result.record is not None else None,
+                            self._row_task(kwargs, uid).task if first else None)
 
     @classmethod
     async def _sandbox_factory(cls, where: RowTask) -> Callable[[], Sandbox]:
@@ -180,6 +203,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
         """The uid's tree (``state``: the trainer's) or, without state, one independent episode."""
         bpo = BPOConfig.from_mapping(_python(self.config.get("bpo") or {}))
         config = bpo.for_estimator(self.config.algorithm.adv_estimator)
+        where = self._row_task(row, tree_id)
         policy = None
         if state is None:
             config, n_leaves = dataclasses.replace(config, mode="flat"), 1
@@ -190,19 +214,27 @@ class BPOTreeAgentLoop(AgentLoopBase):
                 config = dataclasses.replace(config, max_leaves=sessions)
             policy = ForkPolicy(config)
             policy.load_state_dict(state["policy"])
-        where = row_task(row.get("extra_info"), dataclasses.asdict(bpo.sandbox), tree_id)
+        budget = where.budget if state is not None else None  # a training tree's budget from its row, if any
         sampler = TreeSampler(
             config, n_leaves, self.rollout_config.response_length, await self._sandbox_factory(where), where.task,
             self.server_manager,
             self.make_codec(), tree_id=tree_id, sampling_params=sampling_params, policy=policy,
             # str hash() is salted per process; crc32 makes the sandbox seeds a pure function of the uid.
-            seed=zlib.crc32(f"{tree_id}/{row.get('index', 0)}".encode()), task_key=where.key,
+            seed=zlib.crc32(f"{tree_id}/{row.get('index', 0)}".encode()), budget=budget, task_key=where.key,
             unique_request_ids=bool(self.rollout_config.get("full_determinism", False)),
         )
-        return await sampler.run()
+        result = await sampler.run()
+        if "bpo/budget" in result.metrics:  # a budgeted (learned) plan: did its budget come from the row?
+            result.metrics["bpo/budget_from_row"] = float(budget is not None)
+        return result
+
+    def _row_task(self, row: Mapping, tree_id: str) -> RowTask:
+        """The row's sandbox, task and budget (``bpo.sandbox`` where the row names no sandbox)."""
+        bpo = BPOConfig.from_mapping(_python(self.config.get("bpo") or {}))
+        return row_task(row.get("extra_info"), dataclasses.asdict(bpo.sandbox), tree_id)
 
     def _output(self, leaf: Leaf, tree_metrics: dict[str, float] | None, weight_versions: dict[str, int],
-                record: dict[str, Any] | None) -> AgentLoopOutput:
+                record: dict[str, Any] | None, task: dict[str, Any] | None = None) -> AgentLoopOutput:
         transcript, length = leaf.transcript, self.rollout_config.response_length
         extra_fields: dict[str, Any] = {
             **weight_versions,  # verl tags each row with the model versions that generated it
@@ -213,6 +245,8 @@ class BPOTreeAgentLoop(AgentLoopBase):
             extra_fields[TREE_METRICS_KEY] = tree_metrics
         if record is not None:
             extra_fields[TREE_RECORD_KEY] = record
+        if task is not None:
+            extra_fields[TREE_TASK_KEY] = task
         return AgentLoopOutput(
             prompt_ids=transcript.token_ids[: transcript.prompt_length],
             response_ids=transcript.response_ids[:length],

@@ -33,7 +33,7 @@ from sandbox_adapters.registry import (
     min_step_timeout_s,
 )
 from verl_bpo.core.config import ROLLOUT_N, BPOConfig, SandboxSpec
-from verl_bpo.integration.agent_loop import AGENT_NAME
+from verl_bpo.integration.agent_loop import AGENT_NAME, BUDGET_FIELD, row_budget
 from verl_bpo.integration.estimator import ESTIMATOR_NAME
 from verl_bpo.integration.stock_launch import TRAINER_ENV_KEY
 from verl_bpo.integration.tree_attention import check_supported
@@ -87,7 +87,8 @@ def prepare_config(config: DictConfig) -> BPOConfig:
     bpo.for_estimator(estimator).check_leaves(rollout.n)
     default_spec = dataclasses.asdict(bpo.sandbox)
     _check_sandbox(default_spec, bpo, "bpo.sandbox")
-    used = _check_datasets(config, bpo, default_spec, require_tree_agent=estimator == ESTIMATOR_NAME)
+    used = _check_datasets(config, bpo, default_spec, require_tree_agent=estimator == ESTIMATOR_NAME,
+                           grows_trees=bpo.for_estimator(estimator).mode == "tree")
     if _rollouts_run_here(config):
         _check_runtimes(used)
     if estimator == ESTIMATOR_NAME:
@@ -243,16 +244,18 @@ def _default_is_explicit(bpo: BPOConfig) -> bool:
     return bpo.sandbox != SandboxSpec()
 
 
-def _check_datasets(config: DictConfig, bpo: BPOConfig, default_spec: dict, require_tree_agent: bool
-                    ) -> dict[str, dict]:
+def _check_datasets(config: DictConfig, bpo: BPOConfig, default_spec: dict, require_tree_agent: bool,
+                    grows_trees: bool = False) -> dict[str, dict]:
     """Check every local data file and every row the ``bpo_tree`` agent loop will run; returns ``{origin: spec}``
     of the distinct sandboxes those rows use (``bpo.sandbox`` included when some row, or a file not read here, may
     fall back to it).
 
     Per file: it exists. Per row: for the ``bpo`` estimator, no other agent loop than ``bpo_tree``; its
     ``extra_info.sandbox`` (name, config keys, step timeout); and, for rows of the tree loop, a task that its
-    sandbox can reset to. A row without ``extra_info.sandbox`` would silently run in ``bpo.sandbox``: refused unless
-    ``bpo.sandbox`` was set and takes the row's task."""
+    sandbox can reset to, and an ``extra_info.bpo_budget`` that is a positive number, in a run whose trees read it
+    (``bpo.allocation=learned``; the fixed rule grows exactly N leaves and would ignore it). A row without
+    ``extra_info.sandbox`` would silently run in ``bpo.sandbox``: refused unless ``bpo.sandbox`` was set and takes the
+    row's task."""
     default_loop = config.actor_rollout_ref.rollout.agent.get("default_agent_loop")
     explicit = _default_is_explicit(bpo)
     used: dict[str, dict] = {}
@@ -274,7 +277,7 @@ def _check_datasets(config: DictConfig, bpo: BPOConfig, default_spec: dict, requ
             unread = True
             continue
         where = f"{key}={path}"
-        for row, agent_name, spec, task in _read_rows(local):
+        for row, agent_name, spec, task, extra in _read_rows(local):
             if require_tree_agent and agent_name not in (None, AGENT_NAME):
                 raise ValueError(
                     f"{where}: row {row} has agent_name={agent_name!r}, but algorithm.adv_estimator=bpo "
@@ -302,6 +305,7 @@ def _check_datasets(config: DictConfig, bpo: BPOConfig, default_spec: dict, requ
                 used["bpo.sandbox"] = default_spec
             _check_row_task(where, row, task, default_spec if spec is None else spec,
                             "bpo.sandbox" if spec is None else "its extra_info.sandbox")
+            _check_row_budget(where, row, extra, bpo, grows_trees)
     if unread or not files:
         used["bpo.sandbox"] = default_spec
     return used
@@ -327,6 +331,20 @@ def _check_row_task(where: str, row: int, task: Any, spec: Mapping[str, Any], so
                          f"{fix}") from exc
 
 
+def _check_row_budget(where: str, row: int, extra: Mapping[str, Any], bpo: BPOConfig, grows_trees: bool) -> None:
+    """The row's ``extra_info.bpo_budget``, if any, is a positive number and a tree of this run reads it."""
+    try:
+        budget = row_budget(extra, f"row {row}")
+    except ValueError as exc:
+        raise ValueError(f"{where}: row {row}: {exc}") from exc
+    if budget is not None and grows_trees and bpo.allocation != "learned":
+        raise ValueError(
+            f"{where}: row {row} has extra_info.{BUDGET_FIELD}={budget:g}, a tree budget, but "
+            f"bpo.allocation={bpo.allocation} grows exactly {ROLLOUT_N} leaves per tree and would ignore it; set "
+            f"bpo.allocation=learned (and bpo.budget to the budget's unit: turns, tokens or leaves), or write the rows "
+            f"without {BUDGET_FIELD}")
+
+
 def _rollouts_run_here(config: DictConfig) -> bool:
     """Whether the agent-loop workers, and so the sandboxes, run on this node: a single-node run that starts its
     own Ray (no ``ray_kwargs.ray_init.address``, no ``$RAY_ADDRESS``). Otherwise the workers check at start."""
@@ -349,9 +367,9 @@ def _check_runtimes(used: Mapping[str, Mapping[str, Any]]) -> None:
             raise ValueError(f"{origin}: {exc}") from exc
 
 
-def _read_rows(path: Path) -> Iterator[tuple[int, str | None, dict | None, Any]]:
-    """``(row, agent_name, sandbox spec, task)`` of each row of a parquet file (the task as stored: JSON text, a
-    mapping or ``None``); only two columns are read."""
+def _read_rows(path: Path) -> Iterator[tuple[int, str | None, dict | None, Any, dict]]:
+    """``(row, agent_name, sandbox spec, task, extra_info)`` of each row of a parquet file (the task as stored: JSON
+    text, a mapping or ``None``; ``extra_info`` a mapping, empty when absent); only two columns are read."""
     import pyarrow.parquet as pq
 
     names = set(pq.ParquetFile(path).schema_arrow.names)
@@ -372,4 +390,4 @@ def _read_rows(path: Path) -> Iterator[tuple[int, str | None, dict | None, Any]]
         if spec is not None and not (isinstance(spec, Mapping) and isinstance(spec.get("name"), str)):
             raise ValueError(f"{path}: row {row}: extra_info.sandbox must be {{'name': ..., 'config': {{...}}}}, "
                              f"got {spec!r}")
-        yield row, agent_name, None if spec is None else dict(spec), extra.get("task") or None
+        yield row, agent_name, None if spec is None else dict(spec), extra.get("task") or None, extra

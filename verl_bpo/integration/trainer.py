@@ -13,7 +13,13 @@ per-tree ``bpo/...`` metrics the agent loop returns, and it holds the run's one 
 * it saves the state in verl's checkpoint (``global_step_<n>/bpo_allocation.json``) and restores it on resume, so a
   resumed run continues its warm-up and profile where it stopped;
 * it stops the run with an error naming the sandbox when most trees of a step never started (a dataset or sandbox
-  fault, not a transient one: training on their zero advantages would be silent).
+  fault, not a transient one: training on their zero advantages would be silent);
+* with ``bpo.tree_log`` it appends a JSON line per step: the step's first tree, and what every tree of the step
+  spent on which task (for any estimator: a GRPO run's flat groups are logged the same way).
+
+A training row's ``extra_info.bpo_budget`` reaches the agent loop with the row (verl hands every row's fields to its
+sessions), where it replaces the learned root budget of the row's tree (``agent_loop.row_budget``); the sessions
+per task stay the leaf cap, which bounds a tree's leaves whatever its budget.
 
 For ``algorithm.adv_estimator=bpo`` it also:
 
@@ -58,7 +64,7 @@ from verl.utils.logging_utils import configure_verl_logging
 from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.core.leaf_meta import META_KEY, is_padding_uid
 from verl_bpo.core.profile import TreeRecord
-from verl_bpo.integration.agent_loop import STATE_KEY, TREE_METRICS_KEY, TREE_RECORD_KEY, row_task
+from verl_bpo.integration.agent_loop import STATE_KEY, TREE_METRICS_KEY, TREE_RECORD_KEY, TREE_TASK_KEY, row_task
 from verl_bpo.integration.batch_layout import batch_multiple, minibatch_rows, rows_per_tree
 from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
 from verl_bpo.integration.packed_rows import PackedBatch, column
@@ -66,7 +72,7 @@ from verl_bpo.integration.settings import read_bpo_config
 
 __all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "STATE_FILE", "tree_metrics", "rollout_states",
            "learn_from_batch", "check_reset_failures", "save_allocation_state", "load_allocation_state",
-           "batch_tree_call", "append_tree", "column"]
+           "batch_tree_call", "append_tree", "tree_spend", "column"]
 
 # BPOTrainer's name in verl's trainer registry: verl's stock TaskRunner builds the trainer that
 # ``trainer.v1.trainer_mode`` names, so ``trainer_mode=bpo`` runs BPO through ``python -m verl.trainer.main_ppo``.
@@ -144,16 +150,38 @@ def check_reset_failures(uids: list[Any], extra_fields: list[Any], limit: float 
 
 
 def append_tree(path: str, step: int, uids: list[Any], extra_fields: list[Any]) -> None:
-    """Append the batch's first tree (every leaf's metadata and outcome, the tree's metrics) as one JSON line."""
-    first = next((u for u, e in zip(uids, extra_fields) if isinstance(e, dict) and TREE_METRICS_KEY in e), None)
-    if first is None:
+    """Append one JSON line per step: the batch's first tree (every leaf's metadata and outcome, the tree's metrics)
+    and, under ``trees``, the spend of every tree of the step in batch order: ``uid``, ``task`` (the row's
+    ``extra_info.task``), ``generated_tokens``, ``env_steps``, and ``budget`` for a budgeted (learned) tree. A flat
+    group (GRPO's, RLOO's) is one tree: its spend is the group's."""
+    heads = [(u, e) for u, e in zip(uids, extra_fields)
+             if not is_padding_uid(u) and isinstance(e, dict) and TREE_METRICS_KEY in e]
+    if not heads:
         return
+    first = heads[0][0]
     rows = [e for u, e in zip(uids, extra_fields) if u == first and isinstance(e, dict) and META_KEY in e]
     line = {"step": step, "uid": first, "leaves": [{"meta": e[META_KEY], **e.get("bpo_leaf", {})} for e in rows],
-            "metrics": next(e[TREE_METRICS_KEY] for e in rows if TREE_METRICS_KEY in e)}
+            "metrics": next(e[TREE_METRICS_KEY] for e in rows if TREE_METRICS_KEY in e),
+            "trees": [tree_spend(u, e) for u, e in heads]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+        f.write(json.dumps(line, default=_jsonable) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    """A numpy value (from a row's fields) as plain Python, anything else as its text."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+def tree_spend(uid: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """What one tree spent (from its first leaf's extra fields), as ``bpo.tree_log`` lists it."""
+    metrics = extra[TREE_METRICS_KEY]
+    spend = {"uid": str(uid), "task": extra.get(TREE_TASK_KEY),
+             "generated_tokens": float(metrics.get("bpo/generated_tokens", 0.0)),
+             "env_steps": float(metrics.get("bpo/env_steps", 0.0))}
+    if "bpo/budget" in metrics:
+        spend["budget"] = float(metrics["bpo/budget"])
+    return spend
 
 
 def batch_tree_call(uids: list[Any], extra_fields: list[Any],
