@@ -161,6 +161,15 @@ def game_walkthrough(game_path: str | os.PathLike) -> list[str]:
     return list(textworld.Game.load(str(Path(game_path).with_suffix(".json"))).walkthrough)
 
 
+def _strip_banner(text: str) -> str:
+    """``text`` without its leading lines that hold no letter (the ASCII-art title of a game's first turn)."""
+    lines = text.split("\n")
+    start = 0
+    while start < len(lines) and not any(ch.isalpha() for ch in lines[start]):
+        start += 1
+    return "\n".join(lines[start:]) if start < len(lines) else text
+
+
 def _copy_progression(progression: Any) -> Any:
     """``GameProgression.copy()`` without its wasted work.
 
@@ -214,6 +223,8 @@ class TextWorldSandbox(Sandbox):
             seed: seed of the Z-machine's random number generator at reset (default 0; Jericho's default of -1
                 would vary with time).
             max_idle_engines: Z-machines of closed sandboxes kept per process for reuse (default 64).
+            strip_banner: drop the ASCII-art title (the leading lines without a letter) from the first observation
+                (default False); it costs a small model's tokenizer a hundred tokens and carries nothing.
         """
 
         games_dir: str | None = None
@@ -223,6 +234,7 @@ class TextWorldSandbox(Sandbox):
         snapshot: str = "native"
         seed: int = 0
         max_idle_engines: int = 64
+        strip_banner: bool = False
 
         def __post_init__(self) -> None:
             if self.snapshot not in ("native", "copy", "replay"):
@@ -368,6 +380,8 @@ class TextWorldSandbox(Sandbox):
 
     def _render(self, state: Mapping[str, Any]) -> str:
         text = _PROMPT_TAIL.sub("", state["feedback"] or "").strip()
+        if self.config.strip_banner:
+            text = _strip_banner(text)
         commands = state.get("admissible_commands")
         if self.config.show_admissible and commands and not (state["won"] or state["lost"]):
             text += "\nAdmissible commands: " + ", ".join(commands) + "."

@@ -22,6 +22,7 @@ rows the mean of the rows the chats trained.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import random
@@ -111,9 +112,11 @@ def _mean_fill_unseen_embeddings(model, seen: set[int]) -> None:
 def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: Sequence[Mapping[str, Any]],
                sandbox_config: Mapping[str, Any] | None = None, episodes: int = 64, max_turns: int = 6,
                steps: int = 150, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,
-               expert_prob: float = 0.0) -> Path:
+               expert_prob: float = 0.0, chats: Sequence[list[dict[str, str]]] | None = None) -> Path:
     """Fine-tune ``model_dir`` on random-policy chats into ``out_dir`` (skipped if already done identically);
-    ``expert_prob`` mixes in the sandbox's ``best_action()`` (see :func:`random_policy_chats`)."""
+    ``expert_prob`` mixes in the sandbox's ``best_action()`` (see :func:`random_policy_chats`). ``chats``: train on
+    these chats instead (a caller's own demonstrator, e.g. :mod:`verl_bpo.demo.textworld_tasks`); ``episodes``,
+    ``max_turns`` and ``expert_prob`` are then unused."""
     out = Path(out_dir)
     base_stamp = Path(model_dir) / tiny_model.STAMP  # a rebuilt base model (new tokenizer) redoes the warm start
     settings = {"version": _WARM_START_VERSION,
@@ -121,6 +124,8 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: 
                 "model_dir": str(model_dir), "sandbox": sandbox, "config": dict(sandbox_config or {}),
                 "tasks": [dict(t) for t in tasks], "episodes": episodes, "max_turns": max_turns, "steps": steps,
                 "batch_size": batch_size, "lr": lr, "seed": seed, "expert_prob": expert_prob}
+    if chats is not None:  # the stamp names the given chats by their digest
+        settings["chats_sha256"] = hashlib.sha256(json.dumps(list(chats), sort_keys=True).encode()).hexdigest()
     stamp = out / _STAMP
     if stamp.is_file() and json.loads(stamp.read_text()) == settings:
         return out
@@ -131,8 +136,9 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    data = [_tokenize(tokenizer, chat) for chat in random_policy_chats(
-        sandbox, sandbox_config, tasks, episodes, max_turns, seed, expert_prob)]
+    if chats is None:
+        chats = random_policy_chats(sandbox, sandbox_config, tasks, episodes, max_turns, seed, expert_prob)
+    data = [_tokenize(tokenizer, chat) for chat in chats]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     pad = tokenizer.pad_token_id

@@ -1,0 +1,130 @@
+"""The real-engine task pair (``verl_bpo.demo.textworld_tasks``): its demonstrator, its games and its sandbox."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+pytest.importorskip("textworld", reason="textworld is not installed (pip install -e .[envs])")
+pytest.importorskip("jericho", reason="jericho is not installed (pip install -e .[envs])")
+
+from sandbox_adapters.registry import make_sandbox  # noqa: E402
+from sandbox_adapters.textworld import TextWorldSandbox, game_walkthrough, make_games  # noqa: E402
+from verl_bpo.demo import textworld_tasks as tw  # noqa: E402
+
+pytestmark = pytest.mark.envs
+
+WALKTHROUGH = ["go west", "open chest", "take key from chest", "go east", "unlock door with key", "open door",
+               "go north", "close door"]
+ADMISSIBLE = sorted({*WALKTHROUGH, "look", "inventory", "examine chest", "drop lamp", "go south"})
+
+
+def test_tasks_differ_only_in_where_the_decision_sits():
+    late, early = tw.real_late, tw.real_early
+    assert late.name.endswith("_late") and early.name.endswith("_early")
+    assert dataclasses.replace(early, name=late.name, warm_start=late.warm_start) == late
+    assert (late.warm_start["decisive"], early.warm_start["decisive"]) == ("last", "first")
+    assert set(late.train_ids).isdisjoint(late.eval_ids) and late.max_turns == late.sandbox_config["max_steps"] >= 8
+    assert tw.GAME_SETTINGS["quest_length"] >= 3
+
+
+@pytest.mark.parametrize(("decisive", "index"), [("last", len(WALKTHROUGH) - 1), ("first", 0)])
+def test_demonstrator_follows_the_walkthrough_except_at_the_decisive_step(decisive, index):
+    assert tw.decisive_step(len(WALKTHROUGH), decisive) == index
+    picks = {turn: set() for turn in range(len(WALKTHROUGH))}
+    for seed in range(64):
+        rng = random.Random(seed)
+        for turn in range(len(WALKTHROUGH)):
+            picks[turn].add(tw.demonstrator_action(turn, WALKTHROUGH, ADMISSIBLE, rng, index, noise=0.0))
+    for turn, actions in picks.items():
+        if turn == index:  # uniform among the admissible commands: many different ones over 64 draws
+            assert actions <= set(ADMISSIBLE) and len(actions) >= 6
+        else:
+            assert actions == {WALKTHROUGH[turn]}
+
+
+def test_demonstrator_noise_and_a_walkthrough_command_no_longer_admissible():
+    rng = random.Random(0)
+    noisy = [tw.demonstrator_action(1, WALKTHROUGH, ADMISSIBLE, rng, 7, noise=0.5) for _ in range(200)]
+    assert 0.3 < sum(a != WALKTHROUGH[1] for a in noisy) / 200 < 0.7
+    # after a deviation the walkthrough's command may not be admissible: a random admissible one instead
+    assert tw.demonstrator_action(1, WALKTHROUGH, ["look", "go south"], rng, 7, noise=0.0) in {"look", "go south"}
+    with pytest.raises(ValueError):
+        tw.decisive_step(8, "middle")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, monkeypatch_module):
+    """``build_games`` for two games (one chunk of two seeds)."""
+    monkeypatch_module.setattr(tw, "N_GAMES", 2)
+    monkeypatch_module.setattr(tw, "SEED_CHUNK", 2)
+    out = tmp_path_factory.mktemp("tw_real")
+    return out, tw.build_games(out)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_game_generation_is_deterministic_and_cached(built, tmp_path, monkeypatch):
+    out, games = built
+    chosen = sorted(games.glob("*.z8"))
+    assert len(chosen) == 2 and all(len(game_walkthrough(g)) == tw.GAME_SETTINGS["quest_length"] for g in chosen)
+    assert games == tw.games_dir(out)
+    # the same seed in another directory gives byte-identical files
+    again = make_games(tmp_path, [int(chosen[0].stem.rsplit("_s", 1)[1])], **tw.GAME_SETTINGS)[0]
+    assert again.read_bytes() == chosen[0].read_bytes()
+    assert again.with_suffix(".json").read_bytes() == chosen[0].with_suffix(".json").read_bytes()
+
+    # cached: building again generates nothing
+    def no_generation(*args, **kwargs):
+        raise AssertionError("build_games regenerated cached games")
+
+    monkeypatch.setattr(tw, "make_games", no_generation)
+    assert tw.build_games(out) == games
+
+
+def test_task_sandbox_resets_steps_and_wins_along_the_walkthrough(built):
+    out, games = built
+    task = tw.with_games(tw.real_late, out)
+    assert task.sandbox_config["games_dir"] == str(games.resolve())
+    box = make_sandbox(task.sandbox, task.sandbox_config)
+    try:
+        obs = box.reset({"task_id": 0})
+        assert obs.text.lstrip()[0].isalpha() and "$$" not in obs.text  # the ASCII-art title is stripped
+        assert "Admissible commands:" in obs.text
+        walkthrough = game_walkthrough(box.resolve_game({"task_id": 0}))
+        for turn, action in enumerate(walkthrough):
+            result = box.step(action)
+            assert result.done == (turn == len(walkthrough) - 1)
+        assert result.info["won"] and result.reward > 0
+        # a wrong command costs the game: the step budget is the walkthrough's length
+        box.reset({"task_id": 0})
+        for action in ["look", *walkthrough[1:]]:
+            result = box.step(action)
+        assert result.done and not result.info["won"]
+    finally:
+        box.close()
+    with TextWorldSandbox(TextWorldSandbox.Config(games_dir=str(games))) as plain:  # default: the title stays
+        assert "$$" in plain.reset({"task_id": 0}).text
+
+
+def test_demonstration_chats_follow_the_walkthrough(built):
+    out, _ = built
+    for task in (tw.real_late, tw.real_early):
+        task = tw.with_games(dataclasses.replace(task, train_ids=range(1),
+                                                 warm_start={**task.warm_start, "noise": 0.0}), out)
+        walkthrough = game_walkthrough(make_sandbox("textworld", task.sandbox_config).resolve_game({"task_id": 0}))
+        index = tw.decisive_step(len(walkthrough), task.warm_start["decisive"])
+        for chat in tw.demonstration_chats(task, episodes=4):
+            actions = [m["content"] for m in chat if m["role"] == "assistant"]
+            if index == len(walkthrough) - 1:
+                assert actions[:-1] == walkthrough[:-1]
+            else:  # after the guess, the walkthrough wherever its command is still admissible
+                assert len(actions) == len(walkthrough)
+                if actions[0] == walkthrough[0]:
+                    assert actions == walkthrough
