@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import pytest
+
+from sandbox_adapters.base import RestoreFailed
 from sandbox_adapters.registry import make_sandbox
-from sandbox_adapters.signpost import COLORS, SignpostSandbox
+from sandbox_adapters.signpost import COLORS, PALETTE, SignpostSandbox
 from tests.sandboxes.conformance import SandboxConformance
 
 
@@ -117,3 +121,90 @@ def test_at_the_start_the_demonstrator_picks_a_door_then_walks():
         box.step("open blue door")
         assert box.demonstration(rng) == "east" and box.best_action() == "east"
     assert choices == {"open red door", "open blue door"}
+
+
+# --- more doors (``Config.doors``): the hard tasks' eight-door corridor ----------------------------------------------
+
+
+def test_more_doors_each_task_draws_one_the_sign_names_it_and_only_it_wins():
+    box = make_sandbox("signpost", {"length": 3, "doors": 8, "num_tasks": 64})
+    colors = PALETTE[:8]
+    assert box.colors == colors and len(set(colors)) == 8 and all(" " not in c for c in colors)
+    rights = set()
+    for task_id in range(64):
+        first = box.reset({"task_id": task_id})
+        assert all(f"a {c} door" in first.text for c in colors)  # the intro lists every door
+        assert first.info["admissible_commands"] == ["east", "west", *(f"open {c} door" for c in colors), "look"]
+        obs = box.step("east").observation
+        obs = box.step("east").observation
+        right = box.right_door({"task_id": task_id})
+        rights.add(right)
+        assert f"The sign says: {right}." in obs.text
+        snap = box.snapshot()
+        for color in colors:
+            box.restore(snap)
+            result = box.step(f"open {color} door")
+            won = color == right
+            assert (result.reward, result.done, result.info["won"]) == (float(won), True, won)
+    assert rights == set(colors)  # every door is the right one for some task
+
+
+def test_more_doors_the_vocabulary_prompt_and_parser_follow_the_door_count():
+    box = SignpostSandbox(SignpostSandbox.Config(doors=4))
+    assert box.parse_action("action: open yellow door") == "open yellow door"
+    assert box.parse_action("open green door please") == "open green door"
+    assert box.parse_action("open purple door") is None  # the fifth to eighth colors are not doors here
+    assert "open yellow door" in box.system_prompt() and "purple" not in box.system_prompt()
+    box.reset({"task_id": 0})
+    assert box.step("open purple door").info["invalid_action"]
+    assert "open green door" in box.invalid_action_text("x")
+    assert SignpostSandbox().parse_action("open green door") is None  # two doors by default
+
+
+def test_more_doors_at_the_start_the_first_choice_decides():
+    box = SignpostSandbox(SignpostSandbox.Config(length=3, doors=7, decide_at="start", right_door="orange"))
+    obs = box.reset({"task_id": 3})
+    assert "The sign says: orange." in obs.text and "a black door" in obs.text
+    snap = box.snapshot()
+    for door in box.colors:
+        box.restore(snap)
+        assert not box.step(f"open {door} door").done
+        steps = [box.step("east") for _ in range(2)]
+        assert [s.done for s in steps] == [False, True]
+        assert steps[-1].reward == float(door == "orange")
+    rng = random.Random(0)
+    choices = set()
+    for _ in range(200):
+        box.reset({"task_id": 3})
+        choices.add(box.demonstration(rng))
+    assert choices == {f"open {c} door" for c in box.colors}  # the demonstrator picks any door at random
+
+
+def test_more_doors_snapshot_round_trip_and_foreign_payloads_refused():
+    box = SignpostSandbox(SignpostSandbox.Config(length=4, doors=8, right_door="purple", decide_at="start"))
+    box.reset({"task_id": 0})
+    box.step("open purple door")
+    snap = box.snapshot()
+    assert snap.payload[0] == "purple" and snap.payload[3] == "purple"
+    rest = [box.step("east").observation.text for _ in range(3)]
+    other = SignpostSandbox(SignpostSandbox.Config(length=4, doors=8, right_door="purple", decide_at="start"))
+    other.reset({"task_id": 0})
+    other.restore(snap)
+    replay = [other.step("east") for _ in range(3)]
+    assert [r.observation.text for r in replay] == rest and replay[-1].reward == 1.0
+    for payload in (("pink", 0, 0, None), ("purple", 0, 0, "pink"), ("purple", 0, 0)):
+        with pytest.raises(RestoreFailed):
+            other.restore(dataclasses.replace(snap, payload=payload))
+    two = SignpostSandbox()  # a two-door corridor has no purple door
+    two.reset({"task_id": 0})
+    with pytest.raises(RestoreFailed):
+        two.restore(snap)
+
+
+def test_invalid_door_counts_and_right_doors_are_refused():
+    for doors in (0, 1, 9, 2.5, True):
+        with pytest.raises(ValueError, match="doors must be an int from 2 to 8"):
+            SignpostSandbox.Config(doors=doors)
+    with pytest.raises(ValueError, match="right_door must be 'task' or one of the doors' colors"):
+        SignpostSandbox.Config(doors=3, right_door="yellow")  # yellow is the fourth door
+    assert SignpostSandbox.Config(doors=4, right_door="yellow").colors == ("red", "blue", "green", "yellow")

@@ -1,0 +1,112 @@
+"""Why BPO's turns can lengthen: the batch gradient along the turn-end direction, BPO vs RLOO, at the warm start.
+
+A turn ends when the policy samples its end-of-turn token. At the warm start that token is nearly certain after an
+action (p ≈ 0.996 on the late task), and a turn that runs on ("east east east ...") still acts in the signpost
+corridor, so the return barely depends on where turns end: along the direction
+
+    d = ∇θ mean log p(end-of-turn token at each turn's end)     (over flat episodes of the warm-start policy)
+
+the true policy gradient is about 0. An unbiased estimator's batch gradient then has mean ≈ 0 along d, and its
+noise there moves the policy at random; only one side of that walk shows (p cannot rise visibly above 0.996, it can
+fall), as turns that run on to ``bpo.max_tokens_per_turn``. This measures, per estimator, on
+``benchmarks/learning.py``'s trainer, task and tree settings (BPO: learned allocation, its token budget learned from
+``--warmup`` batches first), ``--draws`` batch gradients ĝ at the warm-start policy and their projection ĝ·d/‖d‖:
+
+* ``<est>_mean_z`` — the projection's mean over its standard error: a bias toward longer (z > 0: the loss gradient's
+  step lowers p) or shorter turns shows as |z| >> 2;
+* ``turn_end_var_bpo_over_rloo`` — the projection's variance, BPO over RLOO, × generated tokens per batch (matched
+  generated tokens), with a bootstrap CI95: how much faster BPO's turn ends random-walk per update.
+
+    python benchmarks/turn_end_gradient.py [--task late] [--draws 96]
+
+Last line: one JSON object with those keys, ``<est>_tokens_per_batch`` and ``p_turn_end``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from learning import bootstrap, trainer, tree_settings
+
+from verl_bpo.demo.tasks import TASKS, task_model
+
+
+def turn_end_direction(rl, tasks: list[dict], episodes: int) -> tuple[np.ndarray, float]:
+    """d (as one vector over every parameter) and the mean p of the turn-end token, from flat episodes."""
+    import torch
+
+    results = rl.rollout(tasks, n_leaves=episodes, estimator="grpo")
+    leaves = [leaf for r in results for leaf in r.leaves]
+    length = max(len(leaf.transcript.response_mask) for leaf in leaves)
+    rl.model.train()
+    rl.optimizer.zero_grad()
+    log_probs = rl._response_log_probs(leaves, length)
+    ends = torch.zeros_like(log_probs)
+    for i, leaf in enumerate(leaves):
+        response = leaf.transcript.token_ids[leaf.transcript.prompt_length:][:length]
+        for j, token in enumerate(response):
+            if leaf.transcript.response_mask[j] and token in rl.client.eos_ids:
+                ends[i, j] = 1.0
+    (log_probs * ends).sum().div(ends.sum()).backward()
+    p = float((log_probs.detach().exp() * ends).sum() / ends.sum())
+    d = rl.flat_gradient().astype(np.float64)
+    return d / np.linalg.norm(d), p
+
+
+def projections(rl, tasks: list[dict], d: np.ndarray, draws: int, warmup: int) -> tuple[np.ndarray, float]:
+    """ĝ·d of ``draws`` batch gradients at the current weights, and the mean generated tokens per batch."""
+    values, tokens = [], []
+    for k in range(warmup + draws):
+        rl.updates = k  # a fresh tree seed per draw; the weights never change
+        results = rl.rollout(tasks)
+        if k < warmup:  # BPO's profile and costs learn from these; not measured
+            continue
+        rl.gradient(results)
+        values.append(float(rl.flat_gradient().astype(np.float64) @ d))
+        tokens.append(sum(r.metrics["bpo/generated_tokens"] for r in results))
+    return np.array(values), float(np.mean(tokens))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="late", choices=list(TASKS))
+    parser.add_argument("--draws", type=int, default=96)
+    parser.add_argument("--warmup", type=int, default=4, help="BPO batches that teach its profile first")
+    parser.add_argument("--episodes", type=int, default=4, help="flat episodes per task for the direction d")
+    parser.add_argument("--out", type=Path, default=Path("runs/learning"), help="the tiny model's cache")
+    args = parser.parse_args()
+    start = time.monotonic()
+    task = TASKS[args.task]
+    model_dir = task_model(args.out.resolve(), task)
+    batch = task.tasks(task.train_ids)[: task.batch]
+    d, p_end = None, 0.0
+    result: dict = {"task": args.task, "draws": args.draws}
+    proj: dict[str, tuple[np.ndarray, float]] = {}
+    for estimator in ("bpo", "rloo"):
+        rl = trainer(model_dir, task, estimator, 0, tree_settings())
+        if d is None:
+            d, p_end = turn_end_direction(rl, task.tasks(task.train_ids)[:16], args.episodes)
+        values, tokens = projections(rl, batch, d, args.draws, args.warmup if estimator == "bpo" else 0)
+        proj[estimator] = values, tokens
+        z = values.mean() / (values.std(ddof=1) / np.sqrt(len(values)))
+        result.update({f"{estimator}_mean_z": round(float(z), 2), f"{estimator}_std": float(f"{values.std(ddof=1):.3g}"),
+                       f"{estimator}_tokens_per_batch": round(tokens, 1)})
+        print(f"{estimator}: projection mean {values.mean():.3g} (z {z:.2f}), std {values.std(ddof=1):.3g}, "
+              f"{tokens:.0f} tokens per batch", flush=True)
+    (b, tok_b), (r, tok_r) = proj["bpo"], proj["rloo"]
+
+    def ratio(i: np.ndarray) -> float:
+        return float(np.var(b[i], ddof=1) * tok_b / (np.var(r[i], ddof=1) * tok_r))
+
+    result.update({"turn_end_var_bpo_over_rloo": round(ratio(np.arange(args.draws)), 3),
+                   "ci95": bootstrap(ratio, args.draws), "p_turn_end": round(p_end, 4),
+                   "wall_s": round(time.monotonic() - start)})
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
