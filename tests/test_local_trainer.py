@@ -142,15 +142,10 @@ def test_adam_eps_reaches_the_optimizer(model_dir):
 
 
 def learning_benchmark():
-    """``benchmarks/learning.py`` as a module (benchmarks are scripts, not a package)."""
-    import importlib.util
-    from pathlib import Path
+    """``benchmarks/learning.py`` as a module."""
+    from tests.test_learning_summary import load
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py"
-    spec = importlib.util.spec_from_file_location("learning_benchmark", path)
-    learning = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(learning)
-    return learning
+    return load()
 
 
 def test_a_step_gives_each_tasks_tree_the_budget_it_is_handed(model_dir):

@@ -41,7 +41,7 @@ from typing import Any
 from sandbox_adapters.textworld import TextWorldSandbox, game_walkthrough, make_games
 from verl_bpo.demo.tasks import DemoTask
 from verl_bpo.demo.tiny_model import build_tiny_model, default_corpus
-from verl_bpo.demo.warm_start import random_policy_chats, warm_start
+from verl_bpo.demo.warm_start import play_chats, random_policy_chats, warm_start
 
 __all__ = ["GAME_SETTINGS", "N_GAMES", "TEXTWORLD_TASKS", "real_late", "real_early", "games_dir", "build_games",
            "with_games", "decisive_step", "demonstrator_action", "demonstration_chats", "textworld_task_model"]
@@ -143,27 +143,14 @@ def demonstration_chats(task: DemoTask, episodes: int | None = None, seed: int =
     ids = list(task.train_ids if ids is None else ids)
     rng = random.Random(seed)
     box = TextWorldSandbox(TextWorldSandbox.Config(**task.sandbox_config))
-    chats = []
-    try:
-        for i in range(episodes):
-            game = box.resolve_game({"task_id": ids[i % len(ids)]})
-            walkthrough = game_walkthrough(game)
-            decisive = decisive_step(len(walkthrough), settings["decisive"])
-            obs = box.reset({"task_id": ids[i % len(ids)]})
-            chat = box.opening_chat(obs)
-            for turn in range(task.max_turns):
-                action = demonstrator_action(turn, walkthrough, obs.info["admissible_commands"], rng, decisive,
-                                             settings["noise"])
-                chat.append({"role": "assistant", "content": action})
-                result = box.step(action)
-                if result.done:
-                    break
-                obs = result.observation
-                chat.append({"role": "user", "content": box.render_observation(obs)})
-            chats.append(chat)
-    finally:
-        box.close()
-    return chats
+
+    def policy(game_task: Mapping[str, Any]):
+        walkthrough = game_walkthrough(box.resolve_game(game_task))
+        decisive = decisive_step(len(walkthrough), settings["decisive"])
+        return lambda turn, obs: demonstrator_action(turn, walkthrough, obs.info["admissible_commands"], rng,
+                                                     decisive, settings["noise"])
+
+    return play_chats(box, [{"task_id": i} for i in ids], episodes, task.max_turns, policy)
 
 
 def _corpus(out: Path) -> list[str]:

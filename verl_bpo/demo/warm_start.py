@@ -26,14 +26,15 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sandbox_adapters.base import Observation, Sandbox
 from sandbox_adapters.registry import make_sandbox
 from verl_bpo.demo import tiny_model
 
-__all__ = ["random_policy_chats", "warm_start"]
+__all__ = ["random_policy_chats", "play_chats", "warm_start"]
 
 logger = logging.getLogger(__name__)
 _STAMP = "warm_start.json"
@@ -57,17 +58,29 @@ def random_policy_chats(sandbox: str, sandbox_config: Mapping[str, Any] | None, 
         box.close()
         raise ValueError(f"warm start: expert_prob={expert_prob} needs a sandbox with best_action() or "
                          f"demonstration(); {sandbox!r} has neither, so use expert_prob=0")
+    def policy(task: Mapping[str, Any]) -> Callable[[int, Observation], str]:
+        def act(turn: int, obs: Observation) -> str:
+            if rng.random() < expert_prob:
+                return demonstrate()
+            return rng.choice(list(obs.info["admissible_commands"]))
+        return act
+
+    return play_chats(box, tasks, episodes, max_turns, policy)
+
+
+def play_chats(box: Sandbox, tasks: Sequence[Mapping[str, Any]], episodes: int, max_turns: int,
+               policy: Callable[[Mapping[str, Any]], Callable[[int, Observation], str]]) -> list[list[dict[str, str]]]:
+    """Chats of ``episodes`` episodes on ``tasks`` (in turn) in ``box``, closed at the end. ``policy(task)`` is
+    called before each episode's reset and gives the episode's ``act(turn, observation) -> action``."""
     chats = []
     try:
         for i in range(episodes):
             task = tasks[i % len(tasks)]
+            act = policy(task)
             obs = box.reset(task)
             chat = box.opening_chat(obs)
-            for _ in range(max_turns):
-                if rng.random() < expert_prob:
-                    action = demonstrate()
-                else:
-                    action = rng.choice(list(obs.info["admissible_commands"]))
+            for turn in range(max_turns):
+                action = act(turn, obs)
                 chat.append({"role": "assistant", "content": action})
                 result = box.step(action)
                 if result.done:
