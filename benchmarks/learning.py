@@ -71,6 +71,7 @@ forms (``*early``) final success BPO - RLOO >= -0.02 (a tie).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -407,6 +408,9 @@ def main() -> None:
                         help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps)")
     parser.add_argument("--lr", type=float, default=None,
                         help="AdamW learning rate of every estimator (default: the task's, verl_bpo.demo.tasks)")
+    parser.add_argument("--batch", type=int, default=None, help="tasks per update (default: the task's)")
+    parser.add_argument("--control-only", action="store_true",
+                        help="calibration: train the control (RLOO, RLOO-2N) and print the verdict, no GRPO/BPO run")
     parser.add_argument("--match", choices=(*BASELINES, "own"), default="grpo",
                         help="whose generated tokens per task and update BPO's tree budget is (module docstring)")
     parser.add_argument("--tasks", nargs="+", default=default_tasks(), choices=list(TASKS),
@@ -419,7 +423,7 @@ def main() -> None:
     tree = tree_settings(args.max_leaves, args.bpo_warmup_trees)
     result: dict = {}
     for name in args.tasks:
-        task = TASKS[name]
+        task = dataclasses.replace(TASKS[name], batch=args.batch or TASKS[name].batch)
         updates = args.updates or task.updates
         model_dir = task_model(out, task)
         runs: dict[str, list] = {e: [] for e in ("rloo", CONTROL, "grpo", "bpo")}
@@ -444,6 +448,9 @@ def main() -> None:
         print(f"{name}: qualified={str(qual['qualified']).lower()} (RLOO-2N/RLOO updates to target "
               f"{qual['updates_to_target_rloo_2n_over_rloo']:.3f}, CI95 [{lo}, {hi}]; RLOO SNR {qual['snr_rloo']:.3g})"
               f" — rule: {QUALIFY_RULE}", flush=True)
+        if args.control_only:
+            result.update({f"{name}_{k}": v for k, v in qual.items()})
+            continue
         grads["bpo"] = gradient_draws(model_dir, task, "bpo", args.grad_draws, args.grad_warmup, tree)
         print(f"{name}: tr Cov x tokens at the warm start: "
               + ", ".join(f"{e} {trace_cov(g) * t:.4g} ({t:.0f} tokens)" for e, (g, t) in grads.items()), flush=True)
@@ -460,10 +467,10 @@ def main() -> None:
         plot(task, runs, out / f"learning_{name}.png")
         (out / f"runs_{name}.json").write_text(json.dumps(runs))
     result.update({"tasks": args.tasks, "reference_tasks": [t for t in args.tasks if t in REFERENCE_TASKS],
-                   "qualified": {t: result[f"{t}_qualified"] for t in args.tasks},
+                   "qualified": {t: result[f"{t}_qualified"] for t in args.tasks}, "control_only": args.control_only,
                    "seeds": args.seeds, "updates": {t: args.updates or TASKS[t].updates for t in args.tasks},
                    "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},
-                   "n_leaves": N_LEAVES, "batch": {t: TASKS[t].batch for t in args.tasks},
+                   "n_leaves": N_LEAVES, "batch": {t: args.batch or TASKS[t].batch for t in args.tasks},
                    "max_leaves": args.max_leaves, "bpo_warmup_trees": args.bpo_warmup_trees,
                    "adam_eps": args.adam_eps, "match": args.match, "control": list(args.tasks),
                    "qualify_rule": QUALIFY_RULE, "wall_s": round(time.monotonic() - start)})
