@@ -20,6 +20,9 @@ and prints a table with the medians, then, as the last stdout line, exactly one 
                    "cold_fork_over_step": <(median(snapshot) + cold) / median(step)>,
                    "replay_over_fork": <median(replay) / median(fork)>}, ...}
 
+``swebench-docker`` also reports ``docker_step_over_local``: median(step) over the median step of the same scene on
+the local backend, timed in the same loop, with ``docker_step_target`` (2.0) and ``docker_step_within_target``.
+
 Targets for ``fork_over_step``: <= 0.5 for textworld, swebench (every backend) and webshop, <= 1 for alfworld
 (the smoke corridor has none: it steps in microseconds).
 
@@ -62,6 +65,8 @@ class Case:
         prefix: actions from reset to the decision point (must not end the episode).
         probe: the action stepped at the decision point (may end the episode).
         note: what the scene is, for the table.
+        local: the same scene on the local backend, whose step is timed in the same loop (the Docker case's
+            ``docker_step_over_local``).
     """
 
     make: Callable[[], Sandbox]
@@ -69,6 +74,7 @@ class Case:
     prefix: Sequence[str]
     probe: str
     note: str = ""
+    local: Case | None = None
 
 
 CASES: dict[str, tuple[tuple[str, ...], Callable[[Path, bool], Case]]] = {}
@@ -148,6 +154,7 @@ def _swebench_case(work_dir: Path, backend: str, docker: bool = False) -> Case:
     task = generate_tasks(str(out), num=1)[0]
     task["repo_path"] = str(out / "repos" / task["instance_id"])
     config = SWEBenchSandbox.Config(snapshot_backend=backend)
+    local_task = dict(task)
     if docker:
         import os
         import subprocess
@@ -168,8 +175,10 @@ def _swebench_case(work_dir: Path, backend: str, docker: bool = False) -> Case:
     probe = f"```bash\n{fix} && python -m pytest -q\n```"
     prefix = ["```bash\ngrep -rn 'def ' pkg0\n```", "```bash\necho '# notes' >> README.md\n```"]
     where = "in its Docker image" if docker else "bubblewrap"
+    local_config = SWEBenchSandbox.Config(snapshot_backend=backend)
+    local = Case(lambda: SWEBenchSandbox(local_config), local_task, prefix, probe) if docker else None
     return Case(lambda: SWEBenchSandbox(config), task, prefix, probe,
-                f"generated repo + .git, {where}, {backend} snapshots; probe = sed edit + pytest")
+                f"generated repo + .git, {where}, {backend} snapshots; probe = sed edit + pytest", local)
 
 
 @case("swebench", requires=("swebench",))
@@ -212,17 +221,31 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def measure(bench: Case, repeats: int) -> dict[str, float]:
-    """Medians (seconds) of snapshot, fork (fresh sandbox + restore), step, warm restore and replay."""
+    """Medians (seconds) of snapshot, fork (fresh sandbox + restore), step, warm restore and replay, plus
+    ``local_step``: the step of ``bench.local`` (same scene, local backend), timed in the same loop."""
     parent, warm, replayer = bench.make(), bench.make(), bench.make()
+    local_parent = bench.local.make() if bench.local is not None else None
     try:
         parent.reset(bench.task)
         for action in bench.prefix:
             parent.step(action)
         snap = parent.snapshot()
+        if local_parent is not None:
+            local_parent.reset(bench.local.task)
+            for action in bench.local.prefix:
+                local_parent.step(action)
+            local_snap = local_parent.snapshot()
         # the first fork of the run finds no idle engine of the adapter to recycle: the cold case
         cold = _timed(lambda: warm.restore(snap))  # the warm sandbox holds the game from here on
         samples: dict[str, list[float]] = {name: [] for name in ("snapshot", "fork", "step", "warm", "replay")}
+        if local_parent is not None:
+            samples["local_step"] = []
         for _ in range(repeats):
+            if local_parent is not None:  # the local step on a freshly restored sandbox, as the step below
+                local = bench.local.make()
+                local.restore(local_snap, 1234)
+                samples["local_step"].append(_timed(lambda: local.step(bench.local.probe)))
+                local.close()
             extra: list[Any] = []
             samples["snapshot"].append(_timed(lambda: extra.append(parent.snapshot())))
             fresh: list[Sandbox] = []
@@ -244,14 +267,19 @@ def measure(bench: Case, repeats: int) -> dict[str, float]:
 
             samples["replay"].append(_timed(replay))
         snap.close()
+        if local_parent is not None:
+            local_snap.close()
     finally:
-        for sandbox in (parent, warm, replayer):
-            sandbox.close()
+        for sandbox in (parent, warm, replayer, local_parent):
+            if sandbox is not None:
+                sandbox.close()
     return {"cold": cold, **{name: statistics.median(values) for name, values in samples.items()}}
 
 
 #: ``fork_over_step`` targets (the rest default to 0.5; the smoke corridor steps in microseconds and has none).
 TARGETS = {"alfworld": 1.0, "smoke": None}
+#: ``docker_step_over_local`` target: a step in the instance's container at most twice a local (bubblewrap) step.
+DOCKER_STEP_TARGET = 2.0
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -291,6 +319,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
                 "cold_fork_over_step": round((med["snapshot"] + med["cold"]) / med["step"], 4),
                 "replay_over_fork": round(med["replay"] / med["fork"], 2),
             }
+            if "local_step" in med:  # the Docker backend's step against the local one, same task, same loop
+                over = med["step"] / med["local_step"]
+                results[name].update(docker_step_over_local=round(over, 4), docker_step_target=DOCKER_STEP_TARGET,
+                                     docker_step_within_target=over <= DOCKER_STEP_TARGET)
             rows.append((name, med, results[name], bench.note))
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)

@@ -348,14 +348,15 @@ def test_success_and_return_are_mass_weighted():
     from verl_bpo.rollout.protocols import Transcript
     from verl_bpo.rollout.tree_state import Leaf, TreeState
 
-    def leaf(path, mass, won):
+    def leaf(path, mass, won, tampered=False):
         meta = LeafMeta("t", 0, path, ((0, 1),) * (len(path) - 1), mass, (float(won),) * (len(path) - 1))
-        return Leaf(Transcript([], [0], 0, [1]), meta, float(won), won=won)
+        return Leaf(Transcript([], [0], 0, [1]), meta, float(won), won=won, tampered=tampered)
 
-    leaves = [leaf((0, 1), 0.5, True), leaf((0, 2, 3), 0.25, False), leaf((0, 2, 4), 0.25, False)]
+    leaves = [leaf((0, 1), 0.5, True), leaf((0, 2, 3), 0.25, False, True), leaf((0, 2, 4), 0.25, False)]
     plan = ForkPolicy(BPOConfig(mode="tree")).start_tree(3)
     metrics = tree_metrics(TreeState("t"), leaves, plan, {})
     assert metrics["bpo/success_rate"] == 0.5 and metrics["bpo/leaf_return"] == 0.5  # plain means would be 1/3
+    assert metrics["bpo/grading_tampered"] == 1.0  # counted, like failed leaves
 
 
 def test_every_tree_draws_its_own_root_transitions():

@@ -27,7 +27,8 @@ Backends (``Config.backend``):
 * ``"local"``: commands run under bubblewrap on the host's system directories and this interpreter (``confine``).
   Tasks carry ``repo_path``, a local git checkout that contains ``base_commit`` (or it sits at
   ``Config.repos_dir/<instance_id>``); ``tasks`` generates such tasks.
-* ``"docker"``: commands run in a fresh container of the instance's image (``docker``): SWE-bench Verified's
+* ``"docker"``: commands run by ``docker exec`` in one long-lived container of the instance's image per sandbox
+  (``docker``), cleaned after every command so that only ``/testbed`` carries over: SWE-bench Verified's
   ``swebench/sweb.eval.x86_64.<id>`` images provide the toolchain and ``/testbed``. The image's ``/testbed`` is
   extracted once per image into ``Config.docker_cache_dir`` and the sandbox's workspace (the same overlay or
   memory snapshots as locally) is bind-mounted over it, so a fork costs what it costs locally.
@@ -35,16 +36,24 @@ Backends (``Config.backend``):
 
 Limits (one budget per sandbox, ``limits``): all processes of a sandbox together get ``Config.memory_bytes`` of
 memory, ``max_processes`` processes and ``cpus`` CPUs (a cgroup locally, the container's cgroup in Docker); its
-``/testbed`` lives on a ``disk_bytes`` filesystem of its own; ``/tmp`` is a ``tmp_bytes`` tmpfs inside the memory
-budget. ``close()``, also while a command runs, first kills every process of the sandbox, then deletes its files.
+``/testbed`` lives on a ``disk_bytes`` filesystem of its own; ``/tmp`` (and in Docker ``/dev/shm``) is a
+``tmp_bytes`` tmpfs inside the memory budget; no other folder is writable. ``close()``, also while a command
+runs, first kills every process of the sandbox, then deletes its files.
 These need root (as SWE sandboxes on this project's machines run); without it (``Config.budget="auto"``) the local
 backend falls back to per-process limits, which a multi-process command can exceed.
 
-Reward: at ``submit``, or when ``Config.max_steps`` actions have been taken, the agent's diff against
-``base_commit``, without the files that could change how the tests run (``protected``), is graded on a fresh
-copy of the pristine checkout with SWE-bench's ``make_test_spec`` + ``get_eval_report`` (``grading``): the
-instance's ``eval_script`` runs in the sandbox (in its image with the Docker backend). 1.0 when the instance is
-resolved, else 0.0.
+Faults: whatever an agent command or the code under test does, to the sandbox's own bookkeeping too (the cwd
+channel, the shell that runs it, its streams, the container), is the action's outcome: an observation with reward
+0. Only faults outside the agent's reach (Docker or the host failing) raise ``SandboxCrashed``, which masks the
+turn out of the loss, so no action can use that mask to escape a bad outcome.
+
+Reward: at ``submit``, or when ``Config.max_steps`` actions have been taken, the agent's change is read from the
+workspace's files on the host as a text patch against the pristine checkout, without the files that could change
+how the tests run (``protected``: tests, runner configuration, start-up modules, packaging metadata, bytecode) or
+binary files, and graded on a fresh copy of the pristine checkout with SWE-bench's ``make_test_spec`` +
+``get_eval_report`` (``grading``): the instance's ``eval_script`` runs in a fresh sandbox (in its image with the
+Docker backend), pytest through the grader's own runner with a canary test. 1.0 when the instance is resolved and
+the grader's channels agree, else 0.0; ``info["grading_tampered"]`` marks a run whose results were forged.
 
 Task specification: an instance in the SWE-bench 5 schema (``instance_id``, ``repo``, ``version``,
 ``base_commit``, ``problem_statement``, ``FAIL_TO_PASS``, ``PASS_TO_PASS``, ``eval_script``, ``log_parser``,
@@ -152,6 +161,20 @@ def parse_swe_action(text: str) -> str | None:
     return None
 
 
+def _unrunnable(action: list[str]) -> str | None:
+    """Why an action cannot be handed to a shell at all (a NUL character in an argument, text that is not valid
+    Unicode), or None."""
+    # the command or the path is a process argument; a file's content goes through stdin, where NUL is fine
+    if any("\x00" in part for part in action[1:2]):
+        return "it contains a NUL character"
+    try:
+        for part in action[1:]:
+            part.encode("utf-8")
+    except UnicodeEncodeError:
+        return "it contains text that is not valid Unicode (a lone surrogate)"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Payload:
     """A SWE snapshot payload: the directory state (layers/file copy) and the small dict beside it."""
@@ -173,7 +196,7 @@ class SWEBenchSandbox(Sandbox):
 
         Attributes:
             backend: ``"local"`` (default: bubblewrap on this host, tasks with local checkouts) or ``"docker"``
-                (each command in a fresh container of the instance's image).
+                (the commands in a long-lived container of the instance's image).
             repos_dir: directory holding ``<instance_id>/`` checkouts, used by the local backend when a task has
                 no ``repo_path`` (default None: every task must carry ``repo_path``).
             docker_image: image of every task (default None: the task's ``image``, else the name the SWE-bench
@@ -332,8 +355,10 @@ class SWEBenchSandbox(Sandbox):
     def _image(self, task: Mapping[str, Any]) -> str:
         return self.config.docker_image or instance_image_name(task)
 
-    def _make_runner(self, directory: str, max_output_bytes: int | None = None, grading: bool = False) -> Runner:
-        """A runner for ``directory`` at ``/testbed``; agent commands keep a few times what is shown, grading all."""
+    def _make_runner(self, directory: str | Workspace, max_output_bytes: int | None = None,
+                     grading: bool = False) -> Runner:
+        """A runner for ``directory`` (a path, or the workspace: a Docker container then follows its remounts) at
+        ``/testbed``; agent commands keep a few times what is shown, grading all."""
         cfg = self.config
         keep = max_output_bytes or 4 * cfg.max_output_chars + 4096
         if cfg.backend == "docker":
@@ -344,7 +369,7 @@ class SWEBenchSandbox(Sandbox):
                 read_only_root=not (grading and cfg.docker_writable_root_at_grading))
         else:
             runner = Confinement(
-                directory, self.limits, uid=cfg.sandbox_uid, mount_point=MOUNT_POINT,
+                getattr(directory, "path", directory), self.limits, uid=cfg.sandbox_uid, mount_point=MOUNT_POINT,
                 path_prefix=[cfg.python_bin_dir], extra_ro_paths=[cfg.python_bin_dir, *cfg.extra_ro_paths],
                 max_output_bytes=keep, cgroup=self._cgroup)
         self._resources.runners.add(runner)
@@ -395,6 +420,12 @@ class SWEBenchSandbox(Sandbox):
         return origin
 
     def _reset(self, task: Mapping[str, Any]) -> Observation:
+        if not task.get("eval_script"):
+            # a classic row (SWE-bench Verified as published) that did not come through `prepare`: derive what
+            # the grader reads, or refuse here with the missing field named rather than at the first submit
+            from sandbox_adapters.swebench.verified import complete_instance
+
+            task = self._task = complete_instance(task, setup=self.config.backend == "docker")
         workspace = self._ensure_workspace()
         try:
             origin = self._origin(task)
@@ -402,7 +433,7 @@ class SWEBenchSandbox(Sandbox):
                 workspace.load(origin)
             finally:
                 origin.release()  # the workspace holds its own reference
-            self._runner = self._make_runner(workspace.path)
+            self._runner = self._make_runner(workspace)
         except (OSError, subprocess.SubprocessError, DockerUnavailable) as exc:
             raise SandboxCrashed(f"swebench: reset failed: {exc!r}") from exc
         self._cwd = MOUNT_POINT
@@ -445,29 +476,30 @@ class SWEBenchSandbox(Sandbox):
                                "part of the `envs` extra)")
         assert self._workspace is not None and self._workspace.origin
         task = self.task
-        extracted = extract_patch(self._make_grading_runner(self._workspace.path), task["base_commit"],
-                                  task.get("eval_script", ""), self.config.grading_timeout_s)
-        graded = grade_patch(task, extracted.patch if extracted else None, self._workspace.origin.path,
-                             self._make_grading_runner, self.uid, self.config.grading_timeout_s)
+        # the patch is read from the workspace's files on the host, never by a program the agent could configure
+        extracted = extract_patch(self._workspace.path, self._workspace.origin.path, task.get("eval_script", ""))
+        graded = grade_patch(task, extracted.patch, self._workspace.origin.path, self._make_grading_runner,
+                             self.uid, self.config.grading_timeout_s)
         status = graded.report.get("tests_status", {})
-        excluded = list(extracted.excluded) if extracted else []
+        excluded = list(extracted.excluded)
         info = {
             "resolved": graded.resolved,
             "patch_applied": bool(graded.report.get("patch_successfully_applied")),
             "fail_to_pass_failures": len(status.get("FAIL_TO_PASS", {}).get("failure", [])),
             "pass_to_pass_failures": len(status.get("PASS_TO_PASS", {}).get("failure", [])),
             "excluded_files": excluded,
-            "forged_report": graded.forged,
+            "grading_tampered": graded.tampered,
             "won": graded.resolved,
         }
         text = (f"Submitted. The issue is {'resolved' if graded.resolved else 'not resolved'} "
                 f"({info['fail_to_pass_failures']} failing FAIL_TO_PASS test(s), "
                 f"{info['pass_to_pass_failures']} failing PASS_TO_PASS test(s)).")
         if excluded:
-            text += (f" Not graded (tests, test configuration and start-up hooks are restored before grading): "
+            text += (f" Not graded (tests, test configuration, start-up hooks, binary and bytecode files are left "
+                     f"as they were): "
                      f"{', '.join(excluded[:20])}{' ...' if len(excluded) > 20 else ''}.")
-        if graded.forged:
-            text += " The test report was tampered with: graded as not resolved."
+        if graded.tampered:
+            text += " The test run was tampered with: graded as not resolved."
         return (1.0 if graded.resolved else 0.0), info, text
 
     def _finish(self, text: str, info: dict[str, Any]) -> StepResult:
@@ -481,6 +513,9 @@ class SWEBenchSandbox(Sandbox):
     def _apply(self, action: str) -> StepResult:
         decoded = json.loads(action)
         self._steps += 1
+        unrunnable = _unrunnable(decoded)
+        if unrunnable:  # the agent's text, not a fault: an observation like any failed command
+            return self._finish(f"[not run: {unrunnable}]", {"unrunnable": True})
         try:
             if decoded[0] == "submit":
                 reward, info, text = self._grade()
@@ -517,7 +552,7 @@ class SWEBenchSandbox(Sandbox):
         self._task = dict(snapshot.task)  # the runner needs the task's image
         self._ensure_workspace().restore(payload.state)
         if self._runner is None:
-            self._runner = self._make_runner(self._workspace.path)
+            self._runner = self._make_runner(self._workspace)
         self._cwd = payload.cwd
         self._steps = payload.steps
 

@@ -20,6 +20,10 @@ Disk: given a :class:`~sandbox_adapters.swebench.limits.QuotaDisk`, the writable
 upper dir and the layers its snapshots make (which keep the disk alive while they exist), or the memory
 backend's whole directory — so the agent cannot write more than the disk holds.
 
+A workspace can also be *mirrored* (``add_mirror``): bind-mounted at further host mount points, rebound after every
+remount. A long-lived Docker container whose ``/testbed`` is a slave mount of such a point therefore always sees the
+current state, although an overlay's snapshot or restore mounts a new overlay at ``path``.
+
 Both also keep the task's pristine checkout (the *origin* layer) that grading copies, and hand it to any sandbox
 that restores one of their snapshots. Host-side code never follows a symlink the agent created: the memory backend
 records symlinks as links, fixes parents before children and replaces files instead of writing through them, and
@@ -47,10 +51,7 @@ from sandbox_adapters.swebench.confine import chown_tree
 from sandbox_adapters.swebench.limits import QuotaDisk
 
 __all__ = ["Layer", "Workspace", "OverlayWorkspace", "MemoryWorkspace", "overlay_supported", "make_layer",
-           "SnapshotTooLarge"]
-
-
-
+           "SnapshotTooLarge", "bind_mount", "detach_mount"]
 
 class SnapshotTooLarge(SandboxError):
     """An in-memory snapshot would hold more changed bytes than ``max_snapshot_bytes``."""
@@ -58,6 +59,21 @@ class SnapshotTooLarge(SandboxError):
 
 _LOCK = threading.Lock()
 _libc = ctypes.CDLL(None, use_errno=True)
+_MS_BIND, _MNT_DETACH = 4096, 2
+
+
+def bind_mount(source: str, target: str) -> None:
+    """``mount --bind source target`` (root only)."""
+    if _libc.mount(source.encode(), target.encode(), None, _MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount --bind {source} {target}: {os.strerror(err)}")
+
+
+def detach_mount(target: str) -> None:
+    """``umount -l target``: detach the top mount at ``target`` (and its propagated copies) even if it is busy."""
+    if _libc.umount2(target.encode(), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount -l {target}: {os.strerror(err)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,6 +156,44 @@ class Workspace(abc.ABC):
         self.path = os.path.join(self._root, "merged")
         os.mkdir(self.path)
         self.origin: Layer | None = None
+        # host mount points that show the directory too (a Docker container's /testbed): target -> bound now
+        self._mirrors: dict[str, bool] = {}
+        self._mirrors_lock = threading.Lock()
+
+    def add_mirror(self, target: str) -> None:
+        """Keep the directory bind-mounted at ``target`` (root only), also across the remounts of snapshots and
+        restores: a view made once, e.g. a long-lived container's, always shows the current state."""
+        with self._mirrors_lock:
+            self._mirrors[target] = False
+            if self._shown():
+                try:
+                    self._bind_mirrors()
+                except OSError:
+                    self._mirrors.pop(target, None)
+                    raise
+
+    def remove_mirror(self, target: str) -> None:
+        """Stop showing the directory at ``target`` (``target`` is an empty mount point again)."""
+        with self._mirrors_lock:
+            if self._mirrors.pop(target, False):
+                detach_mount(target)
+
+    def _shown(self) -> bool:
+        """Whether ``self.path`` holds the workspace now (an overlay is unmounted during snapshots/restores)."""
+        return True
+
+    def _bind_mirrors(self) -> None:
+        for target, bound in self._mirrors.items():
+            if not bound:
+                bind_mount(self.path, target)
+                self._mirrors[target] = True
+
+    def _unbind_mirrors(self) -> None:
+        # before the directory is unmounted: a mirror would keep the old overlay (and its upper dir) in use
+        for target, bound in self._mirrors.items():
+            if bound:
+                detach_mount(target)
+                self._mirrors[target] = False
 
     def load(self, origin: Layer) -> None:
         """Make the directory a fresh copy of ``origin`` (a pristine checkout), which this workspace keeps."""
@@ -159,6 +213,9 @@ class Workspace(abc.ABC):
 
     def close(self) -> None:
         """Unmount and delete everything this workspace holds (snapshots keep their own layers)."""
+        with self._mirrors_lock:
+            self._unbind_mirrors()
+            self._mirrors.clear()
         self._close()
         if self.origin is not None:
             self.origin.release()
@@ -252,11 +309,18 @@ class OverlayWorkspace(Workspace):
         self._stack = tuple(stack)
         _mount_overlay([layer.path for layer in stack], self._upper, self._work, self.path)
         self._mounted = True
+        with self._mirrors_lock:
+            self._bind_mirrors()
 
     def _unmount(self) -> None:
         if self._mounted:
+            with self._mirrors_lock:
+                self._unbind_mirrors()
             _umount(self.path)
             self._mounted = False
+
+    def _shown(self) -> bool:
+        return self._mounted
 
     def _load(self, origin: Layer) -> None:
         self._unmount()

@@ -6,6 +6,7 @@ Instance images are built from generated tasks on the base image ``scripts/setup
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -84,19 +85,54 @@ def test_no_network_read_only_root_and_only_the_image_is_visible(swe_docker_task
     assert f"{host_file}: No such file or directory" in writes and "ok\n65534" in writes, writes
 
 
-def test_a_runaway_command_is_removed_and_the_sandbox_goes_on(swe_docker_tasks):
+def test_a_runaway_command_is_killed_and_the_sandbox_goes_on(swe_docker_tasks):
     tasks, cache = swe_docker_tasks
     with _sandbox(cache, command_timeout_s=3.0) as sandbox:
         sandbox.reset(tasks[0])
+        sandbox.step(bash("true"))
+        container = _busy_containers()
         start = time.monotonic()
         result = sandbox.step(bash("sleep 1000 & while true; do :; done"))
         assert time.monotonic() - start < 20
         assert result.info.get("timed_out") and "timed out" in result.observation.text
+        # the time limit killed the command's processes, not the container
+        left = sandbox.step(bash("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done | "
+                                 "grep -c 'slee[p] 1000'")).observation.text
+        assert left.startswith("0\n"), left
+        assert _busy_containers() == container
         bomb = sandbox.step(bash(":(){ :|:& };:; sleep 2; echo survived"))
         assert "alive" in sandbox.step(bash("echo alive")).observation.text
-    running = subprocess.run(["docker", "ps", "-q", "--filter", "name=bpo-swe-"], capture_output=True, text=True)
-    assert not running.stdout.strip(), "a container outlived its command"
+    assert not _busy_containers(), "a container outlived its sandbox (other than the clean ones kept for reuse)"
     assert "Resource temporarily unavailable" in bomb.observation.text or bomb.info.get("timed_out"), bomb
+
+
+def _busy_containers() -> set[str]:
+    """Running sandbox containers that are not clean ones kept for reuse."""
+    from sandbox_adapters.swebench.docker import CONTAINER_LABEL, idle_containers
+
+    running = subprocess.run(["docker", "ps", "--format", "{{.Names}}", "--filter",
+                              f"label={CONTAINER_LABEL}={os.getpid()}"], capture_output=True, text=True, check=True)
+    return set(running.stdout.split()) - set(idle_containers())
+
+
+def test_one_long_lived_container_and_nothing_but_the_testbed_carries_over(swe_docker_tasks):
+    """Commands share one container (by exec), yet a process or file outside /testbed never outlives its command."""
+    tasks, cache = swe_docker_tasks
+    escape = ("nohup sleep 391 >/dev/null 2>&1 & setsid sleep 392 >/dev/null 2>&1 < /dev/null & "
+              "( ( sleep 393 >/dev/null 2>&1 & ) & ); echo kept > /tmp/t; echo kept > /dev/shm/s; "
+              "mkdir -p /tmp/locked/deep && chmod 000 /tmp/locked; echo kept > kept.txt; chmod 600 kept.txt; "
+              "ln -s /testbed/kept.txt /tmp/link; "
+              "python3 -c 'import os; os.setsid(); os.fork() or os.execvp(\"sleep\", [\"sleep\", \"394\"])' & "
+              "sleep 0.3; echo $$")
+    with _sandbox(cache) as sandbox:
+        sandbox.reset(tasks[0])
+        first = sandbox.step(bash(escape)).observation.text
+        seen = sandbox.step(bash("cat kept.txt; stat -c %a kept.txt; ls -A /tmp /dev/shm | wc -w; "
+                                 "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done | "
+                                 "grep -c 'slee[p] 39'"))
+        # the cleaning of /tmp did not follow the link; the two directory headers only; no sleep of the first command
+        assert seen.observation.text.split("\n")[:4] == ["kept", "600", "2", "0"], (first, seen.observation.text)
+        assert len(_busy_containers()) == 1, "one container for all the commands of a sandbox"
 
 
 def test_the_testbed_is_extracted_once_per_image(swe_docker_tasks, monkeypatch):

@@ -110,6 +110,55 @@ def test_testbed_and_tmp_have_a_size(swe_backend, snapshot_backend):
     assert "TMPFULL" in tmp, tmp
 
 
+def test_every_folder_the_agent_can_write_has_a_size(swe_backend):
+    """Probe where a command can write at all, then write past the limit of each such folder."""
+    make, tasks = swe_backend
+    folders = ["/", "/tmp", "/dev", "/dev/shm", "/dev/mqueue", "/run", "/run/bpo", "/run/lock", "/var/tmp", "/home",
+               "/root", "/opt", "/srv", "/mnt", "/etc", "/usr", "/testbed"]
+    probe = " ".join(f'( : > "{d}/.w" ) 2>/dev/null && rm -f "{d}/.w" && echo "W {d}";' for d in folders)
+    fill = {"/testbed": "for i in 1 2; do head -c 60M /dev/zero > big$i.bin || echo FULL; done; rm -f big*.bin",
+            "/tmp": "head -c 40M /dev/zero > /tmp/big || echo FULL",
+            "/dev/shm": "head -c 40M /dev/zero > /dev/shm/big || echo FULL",
+            # message queues: each one reserves its size against the uid's RLIMIT_MSGQUEUE
+            "/dev/mqueue": "for i in $(seq 500); do : > /dev/mqueue/q$i || { echo FULL; break; }; done"}
+    with make(disk_bytes=96 << 20, tmp_bytes=32 << 20) as sandbox:
+        sandbox.reset(tasks[0])
+        writable = [line[2:] for line in sandbox.step(bash(probe)).observation.text.splitlines()
+                    if line.startswith("W ")]
+        assert "/testbed" in writable and "/tmp" in writable, writable
+        assert set(writable) <= set(fill), f"a writable folder without a known size: {writable}"
+        for folder in writable:
+            out = sandbox.step(bash(fill[folder])).observation.text
+            assert "FULL" in out, (folder, out)
+            assert "alive" in sandbox.step(bash("echo alive")).observation.text
+
+
+def test_the_bookkeeping_is_out_of_the_agents_reach(swe_backend):
+    """Whatever a command does to the sandbox's own bookkeeping (the cwd channel, the shell that runs it, the
+    container's keeper, the streams) or however much it writes, the step is an ordinary observation, never a
+    ``SandboxCrashed``, and nothing of it lands on the host's disk or in this process's memory."""
+    from sandbox_adapters.base import SandboxCrashed
+
+    make, tasks = swe_backend
+    attacks = ["rm -rf /run/bpo; ls /run/bpo", "kill -9 $PPID", "kill -9 -1", "kill -9 1; kill -TERM 1",
+               "exec 3>&- 2>&-; echo closed", "echo /etc >&3; echo bpo-started >&2; exit 126",
+               'head -c 300M /dev/zero >&"$BPO_CWD_FD"; echo flooded', "head -c 300M /dev/zero; echo flooded",
+               "kill -STOP $PPID", "echo a\x00b", "echo \ud800"]
+    with make(command_timeout_s=5.0) as sandbox:
+        sandbox.reset(tasks[0])
+        before = _rss_bytes()
+        for attack in [*map(bash, attacks), "```write x\x00.py\nx\n```", "```write x.py\na\ud800\n```"]:
+            try:
+                result = sandbox.step(attack)
+            except SandboxCrashed as exc:
+                pytest.fail(f"{attack!r} crashed the sandbox: {exc}")
+            assert not result.done and result.reward == 0.0, (attack, result)
+            after = sandbox.step(bash("pwd; echo alive")).observation.text
+            assert "/testbed\nalive" in after, (attack, after)
+        grown = _rss_bytes() - before
+    assert grown < 64 << 20, f"the floods grew this process by {grown >> 20} MiB"
+
+
 def test_memory_snapshots_hold_only_what_changed(swe_backend):
     from sandbox_adapters.base import SandboxError
 
@@ -161,6 +210,9 @@ def test_close_during_a_running_step_kills_every_process_first(swe_backend):
     assert finished.wait(10), "the step did not return after close()"
     assert not os.path.exists(workspace)
     assert closed_in < 15, f"close() took {closed_in:.1f} s"
-    containers = subprocess.run(["docker", "ps", "-q", "--filter", "name=bpo-swe-"], capture_output=True, text=True)
-    if containers.returncode == 0:  # the Docker backend: no container of the sandbox is left running
-        assert not containers.stdout.strip()
+    from sandbox_adapters.swebench.docker import CONTAINER_LABEL, idle_containers
+
+    containers = subprocess.run(["docker", "ps", "--format", "{{.Names}}", "--filter",
+                                 f"label={CONTAINER_LABEL}={os.getpid()}"], capture_output=True, text=True)
+    if containers.returncode == 0:  # the Docker backend: only clean containers, kept for reuse, are left running
+        assert not set(containers.stdout.split()) - set(idle_containers())

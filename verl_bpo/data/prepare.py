@@ -18,13 +18,16 @@ How each benchmark's tasks are enumerated (the ``BENCHMARKS`` table):
     as ``alfworld-download`` leaves it).
 ``swebench``
     SWE-bench-schema instances from local ``.json``/``.jsonl``/``.parquet`` files (``--train-instances``,
-    ``--val-instances``). With ``--backend docker`` (the way to run SWE-bench Verified) each instance runs in its
-    image: the dataset's ``image`` field, else the name the SWE-bench harness derives from the instance id
+    ``--val-instances``): rows of the SWE-bench 5 schema, or classic rows (SWE-bench Verified as published, 13
+    fields) whose ``eval_script``, ``log_parser``, ``eval_type`` and ``image`` are derived from their repo and
+    version (``sandbox_adapters.swebench.verified``); a row that lacks a needed field is refused, naming it. With
+    ``--backend docker`` (the way to run SWE-bench Verified) each instance runs in its image: the dataset's
+    ``image`` field, else the name the SWE-bench harness derives from the instance id
     (``swebench/sweb.eval.x86_64.<id with __ as _1776_>:latest``, namespace ``--image-namespace``); the images must
     be on the training nodes' Docker engine (``docker load``/build them; nothing is pulled). With the default
     ``--backend local`` each instance needs a git checkout at ``<repos dir>/<instance_id>``
-    (``--train-repos-dir``/``--val-repos-dir``, default ``repos/`` next to the file). SWE-bench Verified has only
-    a test split: train on a SWE-bench-schema training set and validate on Verified.
+    (``--train-repos-dir``/``--val-repos-dir``, default ``repos/`` next to the file). SWE-bench Verified has only a
+    test split: train on a SWE-bench-schema training set and validate on Verified.
 
 Smoke-size data (``--generate N``) comes from this project's own generators (a synthetic WebShop catalogue, ALFRED-
 format problems turned into ALFWorld games by the real ``alfworld-generate``, small buggy Python repositories):
@@ -185,6 +188,7 @@ def _swebench_args(parser: argparse.ArgumentParser) -> None:
 
 def _swebench_plan(args: argparse.Namespace) -> Plan:
     from sandbox_adapters.swebench.tasks import generate_tasks, load_tasks
+    from sandbox_adapters.swebench.verified import complete_instances
 
     docker = args.backend == "docker"
     notes, tasks = [], {}
@@ -214,6 +218,9 @@ def _swebench_plan(args: argparse.Namespace) -> Plan:
                 notes.append(f"built the {split} tasks' images on {args.base_image}")
         else:
             raise ValueError(f"swebench: give --{split}-instances FILE (or --generate N for smoke data)")
+        if path:
+            # classic rows (SWE-bench Verified as published) get the fields the grader needs, or are refused here
+            tasks[split] = complete_instances(tasks[split], setup=docker)
         if not docker:
             tasks[split] = [{**t, "repo_path": os.path.abspath(t["repo_path"])} for t in tasks[split]]
     if docker:

@@ -7,7 +7,8 @@ the same metric is a flat run's plain mean and the two compare directly.
 Cost metrics count what the tree spent, shared prefixes once: ``env_steps`` sandbox steps (one per generated
 turn), ``generated_tokens`` (probes included), ``restores``, and ``trainer_rows`` (leaf rows the trainer trains on).
 ``step_retries`` counts sandbox steps retried after a crash or hang (``bpo.step_retries``); ``failed_leaves`` the
-leaves whose step still failed.
+leaves whose step still failed; ``grading_tampered`` the leaves whose grader found the tests' results forged (the
+sandbox's ``info["grading_tampered"]``; they earn 0, and a rising count is a policy learning to attack its grader).
 
 Wall time: ``wall_s`` of the tree, and where its branches spent theirs, summed over branches: ``generate_s``
 waiting for generations, ``sandbox_s`` in sandbox steps, ``fork_s`` in snapshots and restores (a fork's, and those
@@ -44,6 +45,7 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
         "bpo/failed_leaves": float(sum(leaf.failed for leaf in leaves)),
         "bpo/step_retries": float(state.step_retries),
         "bpo/truncated_leaves": float(sum(leaf.truncated for leaf in leaves)),
+        "bpo/grading_tampered": float(sum(leaf.tampered for leaf in leaves)),
         "bpo/reset_failures": 0.0,
         "bpo/env_steps": float(state.turns),
         "bpo/generated_tokens": float(state.generated_tokens),

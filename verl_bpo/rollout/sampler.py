@@ -353,6 +353,7 @@ class TreeSampler:
         out_of_room = len(transcript.response_mask) >= self.response_length
         if result.done or branch.depth >= self.config.max_turns or out_of_room:
             branch.done, branch.truncated, branch.won = True, not result.done, bool(result.info.get("won", False))
+            branch.tampered = bool(result.info.get("grading_tampered", False))
             await self._close(branch)
             return
         await self.codec.add_user(transcript, branch.sandbox.render_observation(result.observation))

@@ -58,6 +58,8 @@ class Branch:
         budget: what the branch's subtree may still spend (learned plans; ``None`` under the fixed rule).
         born: when the branch was created (``time.perf_counter``), for the tree's wall-time breakdown.
         done, failed, truncated, won: how the branch ended (``failed``: its last step crashed or hung).
+        tampered: the sandbox reported ``info["grading_tampered"]`` on the final step (its grader saw the tests'
+            results forged).
         error: a short description of the failure, if any.
         anchor: the snapshot the branch's sandbox can be rebuilt from after a failed step (``bpo.step_retries``):
             taken before each step where snapshots are cheap, else its last fork's.
@@ -84,6 +86,7 @@ class Branch:
     failed: bool = False
     truncated: bool = False
     won: bool = False
+    tampered: bool = False
     error: str | None = None
     anchor: Anchor | None = None
     anchor_seed: int | None = None
@@ -127,6 +130,7 @@ class Leaf:
         truncated: the path hit ``bpo.max_turns`` or the response budget before the episode ended.
         won: the sandbox reported ``info["won"]`` on the final step.
         error: a short description of the failure, if any.
+        tampered: the sandbox reported ``info["grading_tampered"]`` on the final step.
     """
 
     transcript: Transcript
@@ -136,6 +140,7 @@ class Leaf:
     truncated: bool = False
     won: bool = False
     error: str | None = None
+    tampered: bool = False
 
     @property
     def mass(self) -> float:
@@ -219,5 +224,6 @@ class TreeState:
                 transcript.response_mask[start:end] = [0] * (end - start)
             meta = LeafMeta(self.tree_id, leaf_id, tuple(b.node_path), tuple(spans), b.mass,
                             tuple(b.turn_rewards), b.failed)
-            leaves.append(Leaf(transcript, meta, float(sum(b.turn_rewards)), b.failed, b.truncated, b.won, b.error))
+            leaves.append(Leaf(transcript, meta, float(sum(b.turn_rewards)), b.failed, b.truncated, b.won, b.error,
+                               b.tampered))
         return leaves
