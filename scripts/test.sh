@@ -11,7 +11,7 @@ export BPO_MC_TREES=${BPO_MC_TREES:-12288}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 # import-linter: core imports no verl/torch/sandbox code, rollout no verl/torch, sandbox_adapters no verl (pyproject).
 "$VENV/bin/lint-imports" || { echo "lint-imports: a layering contract is broken (see above)" >&2; exit 1; }
-"$PY" -m pytest -q -p no:cacheprovider "$@"
+"$PY" -m pytest -q -p no:cacheprovider --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: treating that as a failure" >&2

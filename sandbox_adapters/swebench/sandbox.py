@@ -213,8 +213,9 @@ class SWEBenchSandbox(Sandbox):
                 turns count too, so a model that never acts still ends).
             command_timeout_s: wall-clock limit of one command (default 30.0); a command that runs longer is
                 killed with all its processes and the agent sees a timeout message.
-            grading_timeout_s: wall-clock limit of each grading stage: patch extraction, patch application and
-                the eval script (default 300.0); an eval that runs longer counts as "Tests Timed Out".
+            grading_timeout_s: wall-clock limit of each grading stage in a sandbox: patch application and the
+                eval script (default 300.0); an eval that runs longer counts as "Tests Timed Out". (The patch is
+                read on the host, bounded by the sandbox's disk.)
             budget: ``"auto"`` (default: one cgroup and one disk quota per sandbox where this process can make
                 them, i.e. as root; else per-process limits only) or ``"required"`` (fail without them).
             memory_bytes: memory of the whole sandbox, all its processes and ``/tmp`` together (default 2 GiB);
@@ -282,7 +283,8 @@ class SWEBenchSandbox(Sandbox):
 
         def min_step_timeout_s(self) -> float:
             """The longest a call may take within these limits (``registry.min_step_timeout_s``): the step at
-            ``max_steps`` runs a command, then grades (patch extraction, application, eval script)."""
+            ``max_steps`` runs a command, then grades (patch reading on the host, application, eval script; a third
+            ``grading_timeout_s`` is headroom for the first)."""
             return self.command_timeout_s + 3 * self.grading_timeout_s
 
     name: ClassVar[str] = "swebench"
