@@ -73,8 +73,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
+import os
 import random
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -159,6 +162,7 @@ def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: 
               budgets: list[list[float]] | None = None, n_leaves: int = N_LEAVES) -> dict:
     """One training run of ``updates`` updates; ``budgets[u]``: the token budget of each task's tree at update
     ``u`` (BPO at matched tokens), ``None``: learned from the run's own earlier trees."""
+    t0 = time.monotonic()
     rl = trainer(model_dir, task, estimator, seed, tree_settings(args.max_leaves, args.bpo_warmup_trees),
                  args.adam_eps, args.lr, n_leaves)
     order = task_order(task, seed)
@@ -168,7 +172,7 @@ def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: 
         steps.append(rl.step(update_batch(order, u, task.batch), None if budgets is None else budgets[u]).__dict__)
         if (u + 1) % args.eval_every == 0:
             curve.append((u + 1, rl.evaluate(evals, args.eval_episodes)))
-    return {"curve": curve, "steps": steps}
+    return {"curve": curve, "steps": steps, "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, warmup: int,
@@ -388,9 +392,23 @@ def plot(task: DemoTask, runs: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def report(label: str, run: dict, t0: float) -> None:
-    print(f"{label}: success " + " ".join(f"{s:.2f}" for _, s in run["curve"]) + f"  ({time.monotonic() - t0:.0f} s)",
+def report(label: str, run: dict) -> None:
+    print(f"{label}: success " + " ".join(f"{s:.2f}" for _, s in run["curve"]) + f"  ({run['wall_s']:.0f} s)",
           flush=True)
+
+
+def _worker_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """``workers`` processes sharing the machine's cores: independent runs of a tiny model scale better across
+    processes than across one process's threads."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_threads, initargs=(threads,))
 
 
 def main() -> None:
@@ -408,6 +426,8 @@ def main() -> None:
                         help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps)")
     parser.add_argument("--lr", type=float, default=None,
                         help="AdamW learning rate of every estimator (default: the task's, verl_bpo.demo.tasks)")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                        help="runs trained at once, each in its own process (default: 2 or the cores)")
     parser.add_argument("--batch", type=int, default=None, help="tasks per update (default: the task's)")
     parser.add_argument("--control-only", action="store_true",
                         help="calibration: train the control (RLOO, RLOO-2N) and print the verdict, no GRPO/BPO run")
@@ -422,24 +442,28 @@ def main() -> None:
     start = time.monotonic()
     tree = tree_settings(args.max_leaves, args.bpo_warmup_trees)
     result: dict = {}
+    pool = worker_pool(args.workers)
     for name in args.tasks:
         task = dataclasses.replace(TASKS[name], batch=args.batch or TASKS[name].batch)
         updates = args.updates or task.updates
         model_dir = task_model(out, task)
-        runs: dict[str, list] = {e: [] for e in ("rloo", CONTROL, "grpo", "bpo")}
+        runs: dict[str, list] = {e: [None] * args.seeds for e in ("rloo", CONTROL, "grpo", "bpo")}
 
-        def train(estimator: str, seed: int, **kw) -> None:
-            t0 = time.monotonic()
-            runs[estimator].append(train_one(model_dir, task, "rloo" if estimator == CONTROL else estimator, seed,
-                                             args, updates, **kw))
-            report(f"{name} seed {seed} {estimator:7s}", runs[estimator][-1], t0)
+        def train(jobs: list[tuple[str, int, dict]]) -> None:
+            """Train ``(estimator, seed, keywords)`` runs on the pool; each lands in ``runs[estimator][seed]``."""
+            futures = {pool.submit(train_one, model_dir, task, "rloo" if e == CONTROL else e, s, args, updates,
+                                   **kw): (e, s) for e, s, kw in jobs}
+            for future in as_completed(futures):
+                estimator, seed = futures[future]
+                runs[estimator][seed] = future.result()
+                report(f"{name} seed {seed} {estimator:7s}", runs[estimator][seed])
 
         # The control alone decides whether the task qualifies, before any BPO run: RLOO's warm-start gradient
         # noise, then RLOO and RLOO with 2N rollouts on every seed.
-        grads = {"rloo": gradient_draws(model_dir, task, "rloo", args.grad_draws, 0, tree)}
-        for seed in range(args.seeds):
-            train("rloo", seed)
-            train(CONTROL, seed, n_leaves=2 * N_LEAVES)
+        rloo_grads = pool.submit(gradient_draws, model_dir, task, "rloo", args.grad_draws, 0, tree)
+        train([(e, seed, {"n_leaves": 2 * N_LEAVES} if e == CONTROL else {})
+               for seed in range(args.seeds) for e in ("rloo", CONTROL)])
+        grads = {"rloo": rloo_grads.result()}
         censored = updates + args.eval_every
         qual = qualification([updates_to_target(r, task.target, censored) for r in runs[CONTROL]],
                              [updates_to_target(r, task.target, censored) for r in runs["rloo"]],
@@ -451,22 +475,27 @@ def main() -> None:
         if args.control_only:
             result.update({f"{name}_{k}": v for k, v in qual.items()})
             continue
-        grads["bpo"] = gradient_draws(model_dir, task, "bpo", args.grad_draws, args.grad_warmup, tree)
+        bpo_grads = pool.submit(gradient_draws, model_dir, task, "bpo", args.grad_draws, args.grad_warmup, tree)
+        if args.match == "grpo":  # the paired baseline trains first: BPO's tree budgets are its tokens
+            train([("grpo", seed, {}) for seed in range(args.seeds)])
+
+        def budgets(seed: int) -> list | None:
+            return None if args.match == "own" else [s["tree_tokens"] for s in runs[args.match][seed]["steps"]]
+
+        train([("bpo", seed, {"budgets": budgets(seed)}) for seed in range(args.seeds)])
+        if args.match != "grpo":
+            train([("grpo", seed, {}) for seed in range(args.seeds)])
+        grads["bpo"] = bpo_grads.result()
         print(f"{name}: tr Cov x tokens at the warm start: "
               + ", ".join(f"{e} {trace_cov(g) * t:.4g} ({t:.0f} tokens)" for e, (g, t) in grads.items()), flush=True)
-        for seed in range(args.seeds):
-            if args.match == "grpo":  # the paired baseline trains first: BPO's tree budgets are its tokens
-                train("grpo", seed)
-            budgets = None if args.match == "own" else [s["tree_tokens"] for s in runs[args.match][seed]["steps"]]
-            train("bpo", seed, budgets=budgets)
-            if args.match != "grpo":
-                train("grpo", seed)
         summary = summarize(name, runs, grads, target=task.target, updates=updates, eval_every=args.eval_every,
                             batch=task.batch)
         result.update({f"{name}_{k}": v for k, v in summary.items()})
         plot(task, runs, out / f"learning_{name}.png")
         (out / f"runs_{name}.json").write_text(json.dumps(runs))
-    result.update({"tasks": args.tasks, "reference_tasks": [t for t in args.tasks if t in REFERENCE_TASKS],
+    pool.shutdown()
+    result.update({"tasks": args.tasks, "workers": args.workers,
+                   "reference_tasks": [t for t in args.tasks if t in REFERENCE_TASKS],
                    "qualified": {t: result[f"{t}_qualified"] for t in args.tasks}, "control_only": args.control_only,
                    "seeds": args.seeds, "updates": {t: args.updates or TASKS[t].updates for t in args.tasks},
                    "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},

@@ -9,8 +9,14 @@ images ship, so it can run in any of them. Two modes:
   test finds no file that names the canary;
 * ``RUN``: run pytest as the JSON file ``RUN`` says (``args``, ``report``, ``cwd_first``; the file is deleted
   first, so the test process's command line names neither the tests nor the report), with the grader's recorder
-  plugin, which writes every test's phases, whether its call raised, and the session's exit status to ``report``
-  (JSON) at the end of the session.
+  plugin, which sends every test's phases, whether its call raised, and the session's exit status (JSON) through
+  a pipe at the end of the session. pytest runs in a child process; this one, the guard, runs none of the code
+  under test: when the child has exited it SIGKILLs every process started since itself but its ancestors (daemons
+  the code under test left, ``setsid`` or not; processes of another uid are out of its reach and hold nothing),
+  until none is left, resumes its ancestors (a stopped shell would hang the run), and only then writes the report
+  to ``report``, and exits with the child's status. So nothing of the code under test runs any more to rewrite the
+  report, the exit status the evaluation script records next, or the log. No report is written when the child
+  was killed by a signal, or a process would not die.
 
 Before pytest is imported, every ``sys.path`` entry inside the repository (``/testbed`` from an editable install's
 ``.pth``, the script's directory before Python 3.11) is taken off, pytest, all of ``_pytest`` and the environment's
@@ -21,7 +27,13 @@ runner. ``cwd_first`` puts the working directory first afterwards, as ``python -
 import ast
 import json
 import os
+import signal
 import sys
+import threading
+import time
+
+#: The most report bytes the guard takes from the test process.
+_MAX_REPORT_BYTES = 64 << 20
 
 
 def _compiles(text):
@@ -78,9 +90,10 @@ def _entry_point_plugins():
     return plugins
 
 
-def _make_recorder(pytest, report_path):
+def _make_recorder(pytest, report_fd):
     class Recorder(object):
-        """Records each test's phases and whether its call raised, and writes them when the session ends."""
+        """Records each test's phases and whether its call raised, and sends them to the guard when the session
+        ends."""
 
         def __init__(self):
             self.tests = {}
@@ -103,12 +116,113 @@ def _make_recorder(pytest, report_path):
 
         @pytest.hookimpl(trylast=True)
         def pytest_sessionfinish(self, session, exitstatus):
-            tmp = report_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"exitstatus": int(exitstatus), "tests": self.tests}, f)
-            os.rename(tmp, report_path)
+            data = json.dumps({"exitstatus": int(exitstatus), "tests": self.tests}).encode("utf-8")
+            while data:
+                data = data[os.write(report_fd, data):]
+            os.close(report_fd)
 
     return Recorder()
+
+
+def _stat(pid):
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _ancestors():
+    pids, pid = [], os.getppid()
+    while pid > 0 and pid not in pids:
+        pids.append(pid)
+        fields = _stat(pid)
+        pid = int(fields[1]) if fields else 0
+    return pids
+
+
+def _sweep(keep, deadline_s=30.0):
+    """SIGKILL every live process started since this one (its start time or later) but those of ``keep``, until
+    none is left (a fork bomb is outrun); True when none is left, False when the deadline passed first."""
+    start = int(_stat(os.getpid())[19])
+    keep = set(keep)
+    deadline = time.time() + deadline_s
+    while True:
+        live = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in keep:
+                continue
+            fields = _stat(int(name))
+            # a zombie holds no file and runs nothing; an older process is the sandbox's own (its keeper)
+            if fields is None or fields[0] in "ZXx" or int(fields[19]) < start:
+                continue
+            try:
+                os.kill(int(name), signal.SIGKILL)
+                live.append(name)
+            except OSError:
+                keep.add(int(name))  # not this uid's (or just gone): out of reach, and holds nothing of ours
+        if not live:
+            return True
+        if time.time() > deadline:
+            return False
+        time.sleep(0.001)
+
+
+def _drain(fd, chunks):
+    size = 0
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return
+        size += len(chunk)
+        chunks.append(chunk if size <= _MAX_REPORT_BYTES else b"\0")  # too large: not JSON
+
+
+def _write_report(path, data):
+    tmp = path + ".tmp"
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.rename(tmp, path)
+    except OSError:
+        pass  # no report: the grader finds none
+
+
+def _guard(child, report_fd, report_path):
+    """Wait for the test process, kill whatever it left running, then write its report: nothing of the code under
+    test runs any more once the report exists, so nothing can rewrite it, the exit status the script records next,
+    or the log."""
+    chunks = []
+    reader = threading.Thread(target=_drain, args=(report_fd, chunks))
+    reader.daemon = True
+    reader.start()
+    _, status = os.waitpid(child, 0)
+    ancestors = _ancestors()
+    swept = _sweep([os.getpid(), 1] + ancestors)
+    for pid in ancestors:
+        if pid != 1:
+            try:
+                # a daemon may have stopped the shell that waits for this process: the run would hang
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+    reader.join(10)  # every other writer is gone: the pipe ends
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    data = b"".join(chunks)
+    if swept and not reader.is_alive():
+        try:
+            report = json.loads(data.decode("utf-8"))
+            valid = isinstance(report, dict) and "exitstatus" in report and "tests" in report
+        except ValueError:
+            valid = False
+        if valid:
+            _write_report(report_path, data)
+    return os.WEXITSTATUS(status)
 
 
 def main(argv):
@@ -118,6 +232,13 @@ def main(argv):
     with open(argv[0]) as f:
         run = json.load(f)
     os.remove(argv[0])
+    # the tests run in a child; this process runs none of the code under test and outlives it
+    report_read, report_write = os.pipe()
+    child = os.fork()
+    if child:
+        os.close(report_write)
+        return _guard(child, report_read, run["report"])
+    os.close(report_read)
     repo = os.path.realpath(os.getcwd())
 
     def in_repo(path):
@@ -149,7 +270,7 @@ def main(argv):
         sys.path.insert(i, path)
     if run["cwd_first"]:
         sys.path.insert(0, repo)
-    plugins.append(_make_recorder(pytest, run["report"]))
+    plugins.append(_make_recorder(pytest, report_write))
     return int(pytest.main(run["args"], plugins=plugins))
 
 
