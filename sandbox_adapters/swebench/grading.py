@@ -18,13 +18,16 @@ both backends, against a policy that optimises against its grader.
    configuration file passed with ``-c`` (or the grader's own) and ``--rootdir /testbed``. The runner imports
    pytest with the repository off ``sys.path`` and records every test's outcome, and whether its call raised
    (below any report a tamperer could rewrite), into a report file of a grader-owned directory; the eval script
-   records the exit status beside it.
+   records the exit status beside it. pytest runs in a child of the runner, which, once it has exited, kills every
+   process it left behind (``setsid`` daemons too, in the sandbox's pid namespace) before it writes the report: no
+   code under test outlives the tests to rewrite the report, the exit status or the log.
 4. **A canary** (``protected.make_canary``): a clone of one of the task's new tests that must fail, named from the
    repository's own test names and inserted at a random place of the test file right after the test patch.
 5. ``get_eval_report`` on the log decides ``resolved``; the grader's channels must agree with it, or the episode
    is **tampered** (graded 0, ``GradeResult.tampered``): the report is missing (a run cut short, e.g. by
-   ``os._exit``), its exit status differs from the process's, a test raised but was reported passed, the log claims
-   success for a test the runner saw fail or never ran, or the canary did not fail in the report or in the log.
+   ``os._exit``, a test process killed by a signal, a process that would not die), its exit status differs from
+   the process's, a test raised but was reported passed, the log claims success for a test the runner saw fail or
+   never ran, or the canary did not fail in the report or in the log.
 
 What this does not defend:
 
@@ -32,8 +35,9 @@ What this does not defend:
   a value whose ``__eq__`` is always true, a name exported into the test module by its ``import *`` that the tests
   then call). The tests are the specification; only other tests or review would see it, not test-based grading;
 * a tamperer in the code under test that knows this runner: it runs in the test process and can rewrite what the
-  runner records too. It then has to tell the canary from the real new tests, which differ from it only in a
-  name built from the same words; any blanket rewrite is caught;
+  runner records too (or kill the runner, which runs as the same uid, and write the report itself). It then has
+  to tell the canary from the real new tests, which differ from it only in a name built from the same words; any
+  blanket rewrite is caught;
 * runners other than pytest (Django's ``tests/runtests.py``, SymPy's ``bin/test``): their scripts run as given,
   graded on the log alone, with the protected paths and the pristine patch extraction as the only defences.
 

@@ -11,12 +11,12 @@ images ship, so it can run in any of them. Two modes:
   first, so the test process's command line names neither the tests nor the report), with the grader's recorder
   plugin, which sends every test's phases, whether its call raised, and the session's exit status (JSON) through
   a pipe at the end of the session. pytest runs in a child process; this one, the guard, runs none of the code
-  under test: when the child has exited it SIGKILLs every process started since itself but its ancestors (daemons
-  the code under test left, ``setsid`` or not; processes of another uid are out of its reach and hold nothing),
-  until none is left, resumes its ancestors (a stopped shell would hang the run), and only then writes the report
-  to ``report``, and exits with the child's status. So nothing of the code under test runs any more to rewrite the
-  report, the exit status the evaluation script records next, or the log. No report is written when the child
-  was killed by a signal, or a process would not die.
+  under test: when the child has exited it stops and then SIGKILLs every process of the sandbox's pid namespace
+  started since itself but its ancestors (daemons the code under test left, ``setsid`` or not; processes of
+  another uid are out of its reach and hold nothing), until none is left, resumes its ancestors (a stopped shell
+  would hang the run), and only then writes the report to ``report`` and exits with the child's status. So nothing
+  of the code under test runs any more to rewrite the report, the exit status the evaluation script records next,
+  or the log. No report is written when the child was killed by a signal, or a process would not die.
 
 Before pytest is imported, every ``sys.path`` entry inside the repository (``/testbed`` from an editable install's
 ``.pth``, the script's directory before Python 3.11) is taken off, pytest, all of ``_pytest`` and the environment's
@@ -142,9 +142,10 @@ def _ancestors():
     return pids
 
 
-def _sweep(keep, deadline_s=30.0):
+def _sweep(keep, deadline_s=60.0):
     """SIGKILL every live process started since this one (its start time or later) but those of ``keep``, until
-    none is left (a fork bomb is outrun); True when none is left, False when the deadline passed first."""
+    none is left; True when none is left, False when the deadline passed first. Each is stopped first: a stopped
+    process cannot fork and keeps its slot of the process limit, so a fork bomb cannot refill what is killed."""
     start = int(_stat(os.getpid())[19])
     keep = set(keep)
     deadline = time.time() + deadline_s
@@ -155,15 +156,17 @@ def _sweep(keep, deadline_s=30.0):
                 continue
             fields = _stat(int(name))
             # a zombie holds no file and runs nothing; an older process is the sandbox's own (its keeper)
-            if fields is None or fields[0] in "ZXx" or int(fields[19]) < start:
-                continue
-            try:
-                os.kill(int(name), signal.SIGKILL)
-                live.append(name)
-            except OSError:
-                keep.add(int(name))  # not this uid's (or just gone): out of reach, and holds nothing of ours
+            if fields is not None and fields[0] not in "ZXx" and int(fields[19]) >= start:
+                live.append((int(name), fields[0]))
         if not live:
             return True
+        # the running ones are stopped before the stopped ones are killed, so no slot is freed while they can fork
+        signals = sorted((state in "Tt", pid) for pid, state in live)
+        for stopped, pid in signals:
+            try:
+                os.kill(pid, signal.SIGKILL if stopped else signal.SIGSTOP)
+            except OSError:
+                keep.add(pid)  # not this uid's (or just gone): out of reach, and holds nothing of ours
         if time.time() > deadline:
             return False
         time.sleep(0.001)

@@ -185,6 +185,10 @@ def _start():
     test_pid = os.getpid()
     if os.fork():
         os.wait()
+        for _ in range(10000):  # go on once the shell is stopped: it cannot pass its end marker first
+            if (_stat(shell) or "T")[0] == "T":
+                return
+            time.sleep(0.001)
         return
     os.setsid()
     if os.fork():
