@@ -76,7 +76,7 @@ from sandbox_adapters.swebench.confine import Limits, RunResult, chown_tree, det
 from sandbox_adapters.swebench.workspace import Layer, bind_mount, detach_mount
 
 __all__ = ["DockerRunner", "DockerUnavailable", "docker_available", "testbed_layer", "image_env",
-           "build_instance_image", "instance_image_name", "idle_containers", "remove_idle_containers"]
+           "build_instance_image", "instance_image_name", "idle_containers", "remove_idle_containers", "reap_orphans"]
 
 
 class DockerUnavailable(RuntimeError):
@@ -205,6 +205,40 @@ CONTAINER_LABEL = "bpo-swe.owner"
 _MAX_IDLE = 8
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+@functools.cache
+def reap_orphans(binary: str = "docker") -> int:
+    """Remove the sandbox containers (and their door mounts) of processes that no longer run, once per process:
+    a trainer killed outright (SIGKILL, or SIGTERM without handlers) runs no exit hook. Returns how many."""
+    listed = _docker(binary, "ps", "-a", "--filter", f"label={CONTAINER_LABEL}", "--format",
+                     f'{{{{.ID}}}} {{{{.Label "{CONTAINER_LABEL}"}}}}', check=False)
+    reaped = 0
+    for line in listed.stdout.decode().splitlines():
+        cid, _, owner = line.partition(" ")
+        if not owner.isdigit() or _alive(int(owner)):
+            continue
+        mounts = _docker(binary, "inspect", "--format", "{{range .Mounts}}{{.Source}}\n{{end}}", cid, check=False)
+        _docker(binary, "rm", "-f", cid, check=False, timeout_s=60)
+        for source in mounts.stdout.decode().split():
+            root = os.path.dirname(source)
+            if os.path.basename(root).startswith("bpo-swe-door-"):
+                subprocess.run(["umount", "-l", source], capture_output=True)
+                with contextlib.suppress(OSError):
+                    os.rmdir(source)
+                    os.rmdir(root)
+        reaped += 1
+    return reaped
+
+
 def _pids_cgroup(pid: int) -> str | None:
     """The host directory of the pids cgroup of process ``pid`` (cgroup v1 or v2), or None."""
     try:
@@ -240,6 +274,7 @@ class _Container:
     @classmethod
     def start(cls, binary: str, image: str, flags: Sequence[str], env: Mapping[str, str], mount_point: str,
               workspace: str | None, key: tuple) -> _Container:
+        reap_orphans(binary)
         name = f"bpo-swe-{uuid.uuid4().hex}"
         door = None
         if workspace is None:

@@ -185,3 +185,29 @@ def test_prepare_maps_a_local_swe_bench_verified_copy_to_image_names(swe_tasks, 
         images = [json.loads(r["extra_info"]["task"])["image"] for r in written]
         assert images == ["swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest", "registry.example/own-build:7"]
         assert all("repo_path" not in json.loads(r["extra_info"]["task"]) for r in written)
+
+
+def test_containers_of_a_process_that_died_are_reaped(swe_docker_tasks):
+    """A trainer killed outright runs no exit hook: the next process removes its containers."""
+    from sandbox_adapters.swebench import docker
+
+    tasks, _ = swe_docker_tasks
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    name = f"bpo-swe-orphan-{gone.pid}"
+    subprocess.run(["docker", "run", "-d", "--name", name, "--network", "none", "--label",
+                    f"{docker.CONTAINER_LABEL}={gone.pid}", "--entrypoint", "sleep", tasks[0]["image"], "infinity"],
+                   check=True, capture_output=True)
+    mine = f"bpo-swe-mine-{os.getpid()}"
+    subprocess.run(["docker", "run", "-d", "--name", mine, "--network", "none", "--label",
+                    f"{docker.CONTAINER_LABEL}={os.getpid()}", "--entrypoint", "sleep", tasks[0]["image"], "infinity"],
+                   check=True, capture_output=True)
+    try:
+        assert docker.reap_orphans.__wrapped__() >= 1
+
+        def exists(container: str) -> bool:
+            return subprocess.run(["docker", "inspect", container], capture_output=True).returncode == 0
+
+        assert not exists(name) and exists(mine)  # a live owner's containers stay
+    finally:
+        subprocess.run(["docker", "rm", "-f", name, mine], capture_output=True)
