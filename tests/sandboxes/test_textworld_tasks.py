@@ -55,10 +55,18 @@ def test_demonstrator_noise_and_a_walkthrough_command_no_longer_admissible():
         tw.decisive_step(8, "middle")
 
 
+def test_held_out_games_use_only_the_training_games_command_words():
+    words = tw.command_words(WALKTHROUGH)
+    assert {"go", "west", "unlock", "door", "with", "key"} <= words
+    assert tw.covered(["open chest", "take key from chest", "Go East"], words)
+    assert not tw.covered(["open chest", "take whisk from chest"], words)
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, monkeypatch_module):
-    """``build_games`` for two games (one chunk of two seeds)."""
-    monkeypatch_module.setattr(tw, "N_GAMES", 2)
+    """``build_games`` for two training games (one chunk of two seeds) and no held-out one."""
+    monkeypatch_module.setattr(tw, "N_TRAIN", 2)
+    monkeypatch_module.setattr(tw, "N_EVAL", 0)
     monkeypatch_module.setattr(tw, "SEED_CHUNK", 2)
     out = tmp_path_factory.mktemp("tw_real")
     return out, tw.build_games(out)
@@ -102,11 +110,16 @@ def test_task_sandbox_resets_steps_and_wins_along_the_walkthrough(built):
             result = box.step(action)
             assert result.done == (turn == len(walkthrough) - 1)
         assert result.info["won"] and result.reward > 0
-        # a wrong command costs the game: the step budget is the walkthrough's length
-        box.reset({"task_id": 0})
-        for action in ["look", *walkthrough[1:]]:
-            result = box.step(action)
-        assert result.done and not result.info["won"]
+        # the step budget leaves max_steps - len(walkthrough) turns of slack: one wasted turn more costs the game
+        slack = task.sandbox_config["max_steps"] - len(walkthrough)
+        assert slack >= 0
+        for wasted in (slack, slack + 1):
+            box.reset({"task_id": 0})
+            for action in ["look"] * wasted + walkthrough:
+                result = box.step(action)
+                if result.done:
+                    break
+            assert result.done and result.info["won"] == (wasted == slack)
     finally:
         box.close()
     with TextWorldSandbox(TextWorldSandbox.Config(games_dir=str(games))) as plain:  # default: the title stays
@@ -122,9 +135,8 @@ def test_demonstration_chats_follow_the_walkthrough(built):
         index = tw.decisive_step(len(walkthrough), task.warm_start["decisive"])
         for chat in tw.demonstration_chats(task, episodes=4):
             actions = [m["content"] for m in chat if m["role"] == "assistant"]
+            assert len(actions) <= task.max_turns  # slack turns after a wrong guess, up to the budget
             if index == len(walkthrough) - 1:
-                assert actions[:-1] == walkthrough[:-1]
-            else:  # after the guess, the walkthrough wherever its command is still admissible
-                assert len(actions) == len(walkthrough)
-                if actions[0] == walkthrough[0]:
-                    assert actions == walkthrough
+                assert actions[:index] == walkthrough[:index]
+            elif actions[0] == walkthrough[0]:  # after the guess, the walkthrough wherever it is still admissible
+                assert actions == walkthrough

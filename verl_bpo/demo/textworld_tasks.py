@@ -1,32 +1,48 @@
 """The real-engine task pair of the learning benchmark: generated TextWorld games, the decision late or early.
 
-``real_late``  — a fixed set of ``tw-make custom`` games (world size 4, 8 objects, quests of 8 steps: fetch a key from
-                 a container, unlock, open, carry, put ...), played on the real engine
+``real_late``  — a fixed set of ``tw-make custom`` games (one room, 5 objects, quests of 5 steps: take a key, unlock
+                 a container, open it, take what it holds, drop, eat, put or insert it ...), played on the real engine
                  (:class:`sandbox_adapters.textworld.TextWorldSandbox`) with its own observations: the objective
-                 text, room descriptions and feedback, and the admissible commands listed. An episode has exactly as
-                 many turns as the walkthrough (``max_steps`` = 8), so every command must be the quest's next one;
-                 a game is won (reward 1) only along its walkthrough. The warm start imitates the walkthrough (the
-                 engine's own expert plan) with noise: at the *decisive* step, the walkthrough's **last**, the
-                 demonstrator picks uniformly among the listed commands, and elsewhere a small share of its commands
-                 are random ones (``noise``). A fresh policy so plays the routine well and guesses the final
-                 command, and RL has to learn it: which command that is, the objective of the first observation
-                 says in its last sentence, and the listed commands contain it.
+                 text, the room's description and feedback, and the admissible commands listed. An episode has
+                 ``max_steps`` = 8 turns, the quest's 5 and 3 of slack; a game is won (reward 1) when the quest is
+                 done within them. The warm start imitates the walkthrough (the engine's own expert plan) with
+                 noise: at the *decisive* step, the walkthrough's **last**, the demonstrator picks uniformly among
+                 the listed commands (and keeps picking so in the turns of slack after a wrong guess), and elsewhere
+                 a small share of its commands are random ones (``noise``). The intent: a fresh policy plays the
+                 routine well and guesses the final command, and RL has to learn it (which command that is, the
+                 objective of the first observation says in its last sentence, and the listed commands contain it).
 ``real_early`` — the same games, engine, settings and warm start with the decisive step the walkthrough's **first**:
                  the first command decides and the routine after it only reveals the outcome.
 
 Games are generated as part of building the task (:func:`build_games`, deterministic by seed, cached under the
-benchmark's output directory); the tiny model's tokenizer is trained on this engine's chats and its warm start on
-the demonstrator's (:func:`textworld_task_model`). A task's ``sandbox_config`` names no ``games_dir`` until
+benchmark's output directory); the held-out games are distinct from the training games but use only their command
+words (:func:`covered`). The tiny model's tokenizer is trained on this engine's chats and its warm start on the
+demonstrator's (:func:`textworld_task_model`). A task's ``sandbox_config`` names no ``games_dir`` until
 :func:`with_games` gives it the cache directory.
 
 Observations are the engine's, every admissible command listed; only the ASCII-art title of the first turn is
 stripped (``strip_banner``: a hundred tokens that carry nothing). A few generated games cannot be won along their
 walkthrough on this engine; :func:`build_games` skips them.
 
-Not yet in :data:`verl_bpo.demo.tasks.TASKS` (the learning benchmark does not run them). Calibration status: ``target``, ``lr``, ``batch`` and ``updates`` are not calibrated yet. On 32 of these games (24
-train, 8 held out), a 120-step warm start (loss 1.04) won no episode (0/16 held out, 0/48 training games): the
-tiny model does not yet follow the walkthroughs. Episodes take ~340 prompt and ~810 (at most ~1140) response tokens,
-and commands up to 11 tokens, so the benchmark needs ``response_length`` >= 1536 and ``max_tokens_per_turn`` >= 12.
+Not in :data:`verl_bpo.demo.tasks.TASKS`: the warm start does not generalize to held-out games, so ``target``,
+``lr``, ``batch`` and ``updates`` are not calibrated. Measured on ``real_late`` with LocalRL's sampled episodes
+(flat groups, as ``LocalRL.evaluate``; temperature 1, ``max_tokens_per_turn`` 16):
+
+* world size 4, 8 objects, quests of 8 steps, no slack; 24 training games, 8 held out; 120 warm-start steps (loss
+  1.04): 0/32 held-out episodes won, 0/48 on training games; the routine is not learned even on training games
+  (teacher-forced greedy accuracy of the walkthrough's commands 0-0.33 per turn).
+* these settings, 48 training games (seeds 0-5 and 10-51: the first 48 file names of seeds 0-63, the split before
+  :func:`covered`), 16 held out; 300 steps (lr 3e-3, batch 8, loss 0.86): 0/128 held out, 0/64 on training games.
+* these settings, 600 steps (300 more from it, fresh optimizer, loss 0.38): the training games' routine is learned
+  (greedy accuracy 0.94, 0.94, 1.0, 0.75 on steps 1-4), 1/64 sampled episodes won on training games, and 0/112 on
+  the 14 games of seeds 6-9 and 52-87 whose command words all occur in the training games. On those the
+  walkthrough's commands keep a log-prob of -17 to -26 each (-0.3 to -1.3 on training games): the model writes the
+  training games' object names, it memorizes walkthroughs rather than copying from the listed commands.
+
+So the pair needs a policy that copies from its observation (more distinct training games than it can memorize, or
+a larger model) before RL has a warm start that plays the routine on held-out games. Episodes take ~950 tokens
+(prompt and response) and commands up to 12 tokens; a warm-start step costs 2.5-5 s on two busy cores (600 steps
+took 37 min), 128 sampled evaluation episodes ~50 s and one RLOO update of 2 x 8 episodes ~8 s.
 """
 
 from __future__ import annotations
@@ -43,19 +59,22 @@ from verl_bpo.demo.tasks import DemoTask
 from verl_bpo.demo.tiny_model import build_tiny_model, default_corpus
 from verl_bpo.demo.warm_start import play_chats, random_policy_chats, warm_start
 
-__all__ = ["GAME_SETTINGS", "N_GAMES", "TEXTWORLD_TASKS", "real_late", "real_early", "games_dir", "build_games",
-           "with_games", "decisive_step", "demonstrator_action", "demonstration_chats", "textworld_task_model"]
+__all__ = ["GAME_SETTINGS", "N_TRAIN", "N_EVAL", "N_GAMES", "MAX_STEPS", "TEXTWORLD_TASKS", "real_late", "real_early",
+           "games_dir", "command_words", "covered", "build_games", "with_games", "decisive_step", "demonstrator_action",
+           "demonstration_chats", "textworld_task_model"]
 
-GAME_SETTINGS = {"world_size": 4, "nb_objects": 8, "quest_length": 8}
-N_GAMES = 64  # 48 train, 16 held out; task ids index the games in sorted file order
-SEED_CHUNK = 8  # seeds are generated in chunks of this many until N_GAMES of them are playable
+GAME_SETTINGS = {"world_size": 1, "nb_objects": 5, "quest_length": 5}
+N_TRAIN, N_EVAL = 48, 16  # training and held-out games; task ids index the games in sorted file order
+N_GAMES = N_TRAIN + N_EVAL
+MAX_STEPS = 8  # the turns of an episode: the quest's 5 steps and 3 of slack
+SEED_CHUNK = 8  # seeds are generated in chunks of this many until enough games are chosen
 VOCAB_SIZE = 1024  # the tokenizer's BPE budget: every word of these games' commands becomes one token
-_SANDBOX_CONFIG = {"max_steps": GAME_SETTINGS["quest_length"], "show_admissible": True, "strip_banner": True}
+_SANDBOX_CONFIG = {"max_steps": MAX_STEPS, "show_admissible": True, "strip_banner": True}
 
 real_late = DemoTask(
-    "real_late", "textworld", _SANDBOX_CONFIG, train_ids=range(0, 48), eval_ids=range(48, 64),
-    max_turns=GAME_SETTINGS["quest_length"],
-    warm_start={"decisive": "last", "noise": 0.03, "episodes": 192, "steps": 300, "batch_size": 8, "lr": 3e-3},
+    "real_late", "textworld", _SANDBOX_CONFIG, train_ids=range(0, N_TRAIN), eval_ids=range(N_TRAIN, N_GAMES),
+    max_turns=MAX_STEPS,
+    warm_start={"decisive": "last", "noise": 0.03, "episodes": 192, "steps": 600, "batch_size": 8, "lr": 3e-3},
     target=0.5, lr=1e-3, batch=2, updates=32)
 # Derived from ``real_late`` so that the two tasks differ, by construction, only in where the decision sits.
 real_early = dataclasses.replace(real_late, name="real_early",
@@ -67,7 +86,21 @@ def games_dir(out: str | Path) -> Path:
     """Where the tasks' games are cached under the benchmark's output directory ``out`` (only these games: task
     ids index the directory's ``.z8`` files)."""
     settings = "_".join(f"{key[0]}{value}" for key, value in GAME_SETTINGS.items())
-    return Path(out) / f"textworld_games_{settings}_n{N_GAMES}"
+    return Path(out) / f"textworld_games_{settings}_t{N_TRAIN}_e{N_EVAL}"
+
+
+def command_words(walkthrough: Sequence[str]) -> set[str]:
+    """The words of a walkthrough's commands (lower case)."""
+    return {word for command in walkthrough for word in command.lower().split()}
+
+
+def covered(walkthrough: Sequence[str], words: set[str]) -> bool:
+    """Whether every word of ``walkthrough``'s commands is in ``words`` (the training games' command words).
+
+    A held-out game must be: the tiny model's output layer is not tied to its input embeddings, so a token that is
+    never a target in the warm start is only ever pushed down, and a command naming a new object ("whisk", "type 9
+    latchkey") is out of its reach whatever RL does. Necessary, not sufficient (module docstring)."""
+    return command_words(walkthrough) <= words
 
 
 def playable(game: str | Path) -> bool:
@@ -90,24 +123,33 @@ def build_games(out: str | Path, workers: int = 2) -> Path:
     """Generate the games and return their directory (cached; deterministic).
 
     Seeds 0, 1, 2, ... are generated with ``tw-make`` (about 5 s a game, ``workers`` at a time) into ``all/`` in
-    chunks, and the first :data:`N_GAMES` :func:`playable` ones in seed order are copied into the directory the
-    tasks index."""
+    chunks. In seed order, the first :data:`N_TRAIN` :func:`playable` games are the training games and the next
+    :data:`N_EVAL` playable ones that are :func:`covered` by the training games' command words are the held-out
+    games (about one in three is); they are copied into the directory the tasks index, named with their index first
+    so that sorted file order is this order."""
     path = games_dir(out)
     pool = path / "all"
     chosen = sorted(path.glob("*.z8"))
-    if len(chosen) == N_GAMES and all(g.with_suffix(".json").is_file() for g in chosen):
+    if len(chosen) == N_TRAIN + N_EVAL and all(g.with_suffix(".json").is_file() for g in chosen):
         return path
     for stale in [*path.glob("*.z8"), *path.glob("*.json")]:
         stale.unlink()
-    games: list[Path] = []
+    train: list[Path] = []
+    held_out: list[Path] = []
+    words: set[str] = set()
     start = 0
-    while len(games) < N_GAMES:
+    while len(train) < N_TRAIN or len(held_out) < N_EVAL:
         made = make_games(pool, range(start, start + SEED_CHUNK), workers=workers, **GAME_SETTINGS)
-        games += [g for g in made if playable(g)]
+        for game in filter(playable, made):
+            if len(train) < N_TRAIN:
+                train.append(game)
+                words |= command_words(game_walkthrough(game))
+            elif len(held_out) < N_EVAL and covered(game_walkthrough(game), words):
+                held_out.append(game)
         start += SEED_CHUNK
-    for game in games[:N_GAMES]:
+    for index, game in enumerate(train + held_out):
         for src in (game, game.with_suffix(".json")):
-            shutil.copyfile(src, path / src.name)
+            shutil.copyfile(src, path / f"{index:03d}_{src.name}")
     return path
 
 
