@@ -73,9 +73,9 @@ SETUPS = {"demo": demo_setup, "textworld": textworld_setup}
 
 
 def run(model: Path, setup: dict, label: str, out: Path, steps: int, from_logs: bool) -> dict[int, dict[str, float]]:
-    log = out / "console.log"
+    log, metrics_path = out / "console.log", out / "metrics.jsonl"
     if from_logs:  # summarise a finished run again (e.g. with a changed summary), without training
-        return cpu_launch.parse_console_metrics(log.read_text(errors="replace"))
+        return cpu_launch.read_metrics(metrics_path)
     estimator, extra = RUNS[label]
     bpo = {"max_turns": setup["max_turns"], "max_tokens_per_turn": setup["max_tokens_per_turn"], **ALLOCATION}
     overrides = cpu_launch.cpu_overrides(
@@ -84,7 +84,7 @@ def run(model: Path, setup: dict, label: str, out: Path, steps: int, from_logs: 
         lr=setup["lr"],
         extra=[*(f"bpo.{k}={v}" for k, v in bpo.items()), f"bpo.sandbox.name={setup['sandbox']}",
                *(f"+bpo.sandbox.config.{k}={v}" for k, v in setup["config"].items()), *extra])
-    result = cpu_launch.run_trainer(overrides, log_path=log, module="verl_bpo.main",
+    result = cpu_launch.run_trainer(overrides, log_path=log, metrics_path=metrics_path, module="verl_bpo.main",
                                     timeout_s=2400, cwd=out.parent)
     if result.returncode != 0:
         tail = "\n".join(result.log.splitlines()[-30:])

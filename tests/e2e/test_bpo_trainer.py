@@ -77,7 +77,16 @@ def test_bpo_trains_on_trees_and_grpo_on_flat_groups_through_verl_bpo_main(setup
         assert max(metrics[s]["actor/grad_norm"] for s in (1, 2)) > 0, f"{name}: zero gradients"
 
 
+def verls_batch_rows(step: dict[str, float]) -> int:
+    """Rows of a step's training batch, from what verl computed on it: ``perf/total_num_tokens`` (prompt and
+    response tokens summed over every row) over ``prompt_length/mean + response_length/mean`` (per row)."""
+    rows = step["perf/total_num_tokens"] / (step["prompt_length/mean"] + step["response_length/mean"])
+    assert abs(rows - round(rows)) < 0.01, f"not a whole number of rows: {rows} (padding rows in the batch?)"
+    return round(rows)
+
+
 LATE = demo_tasks.TASKS["late"]
+TREES = 4  # data.train_batch_size of the turn-budget runs: trees per step
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +120,7 @@ def test_a_turn_budget_tree_brings_every_leaf_into_verls_batch(late_setup):
     def train(steps: int, *extra: str):
         out = root / "bpo_turns"  # one output folder: the second run resumes from the first one's checkpoint
         overrides = cpu_launch.cpu_overrides(
-            model, data, data, output_dir=out, n=N, batch_size=4, steps=steps, adv_estimator="bpo",
+            model, data, data, output_dir=out, n=N, batch_size=TREES, steps=steps, adv_estimator="bpo",
             max_prompt_length=192, max_response_length=320, lr=LATE.lr, extra=[*base, *extra])
         result = cpu_launch.run_trainer(overrides, log_path=out / f"console{steps}.log", module="verl_bpo.main",
                                         timeout_s=900, cwd=root)
@@ -121,8 +130,12 @@ def test_a_turn_budget_tree_brings_every_leaf_into_verls_batch(late_setup):
 
     metrics = train(2, "trainer.val_before_train=True", "actor_rollout_ref.rollout.val_kwargs.n=2",
                     "actor_rollout_ref.rollout.val_kwargs.do_sample=True", "trainer.resume_mode=disable")
-    rows = [metrics[s]["bpo/trainer_rows"] for s in (1, 2)]
-    assert rows[1] > N, f"the allocated trees of step 2 grew no more leaves than rollout.n: {rows}"
+    # What the trees grew (the sampler's count, per tree) against the rows verl's batch held: verl's token total over
+    # its batch over its mean tokens per row (the packed run adds no padding rows to the leaf batch).
+    grown = [TREES * metrics[s]["bpo/leaves"] for s in (1, 2)]
+    held = [verls_batch_rows(metrics[s]) for s in (1, 2)]
+    assert held == [round(g) for g in grown], f"leaves grown {grown}, rows in verl's batch {held}"
+    assert grown[1] > TREES * N, f"the allocated trees of step 2 grew no more leaves than rollout.n: {grown}"
     assert all(metrics[s]["bpo/trained_tokens"] < metrics[s]["bpo/trained_tokens_leaf_layout"] for s in (1, 2))
     assert all(metrics[s]["bpo/leaves"] <= 3 * N for s in (1, 2))
     assert max(metrics[s]["actor/grad_norm"] for s in (1, 2)) > 0

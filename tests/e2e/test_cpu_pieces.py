@@ -1,18 +1,25 @@
-"""Fast checks of the CPU-run pieces (no Ray, no vLLM): platform registration and shims, tiny model, overrides."""
+"""Fast checks of the CPU-run pieces (no Ray, no trainer): platform registration and shims, the vLLM plugin, tiny
+model, overrides, the metrics reader and the session cleanup."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
+from tests.e2e.test_cpu_trainer import _cpu_vllm_missing
+from tests.e2e.toy_data import arithmetic_examples, write_verl_dataset
+from verl_bpo.demo.tiny_model import build_tiny_model
 from verl_bpo.platforms import cpu_launch
 from verl_bpo.platforms.vllm_cpu import _keep_live_weight
-from verl_bpo.demo.tiny_model import build_tiny_model
 
 _PROBE = """
 import os, torch, torch.distributed as dist, verl
@@ -73,11 +80,37 @@ def test_vllm_shim_keeps_live_2d_weights_and_defers_other_shapes():
     assert calls == [True]
 
 
-def test_vllm_plugin_is_a_noop_without_verl_platform_cpu(monkeypatch):
-    from verl_bpo.platforms import vllm_cpu
+_VLLM_PROBE = """
+import sys
+from verl_bpo.platforms import vllm_cpu
+vllm_cpu.register()
+print("vllm imported", "vllm" in sys.modules)
+if "vllm" in sys.modules:
+    from vllm.model_executor.layers import utils
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    vllm_cpu.register()  # vLLM calls it in every engine and worker process: once must stay once
+    print("shim", getattr(dispatch, "_verl_bpo_cpu_shim", False), utils.dispatch_cpu_unquantized_gemm is dispatch,
+          getattr(dispatch.__wrapped__, "_verl_bpo_cpu_shim", False))
+"""
 
-    monkeypatch.delenv("VERL_PLATFORM", raising=False)
-    assert vllm_cpu.register() is None  # returns before importing vllm
+
+def _vllm_probe(platform: str | None) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    if platform:
+        env["VERL_PLATFORM"] = platform
+    out = subprocess.run([sys.executable, "-c", _VLLM_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if line.startswith(("vllm imported", "shim"))]  # not vLLM's logs
+
+
+def test_vllm_plugin_never_imports_vllm_without_verl_platform_cpu():
+    # vLLM calls the hook in each engine process; a GPU user's engines must not pay for or be changed by it.
+    assert _vllm_probe(None) == ["vllm imported False"]
+
+
+@pytest.mark.skipif(_cpu_vllm_missing() is not None, reason=_cpu_vllm_missing() or "")
+def test_vllm_plugin_wraps_the_cpu_gemm_dispatch_once_under_verl_platform_cpu():
+    assert _vllm_probe("cpu") == ["vllm imported True", "shim True True False"]
 
 
 def test_tiny_model_builds_once_and_chats(tmp_path):
@@ -109,7 +142,7 @@ def test_cpu_overrides_compose_with_verls_trainer_config(tmp_path):
 
     import verl
 
-    data = cpu_launch.write_verl_dataset(tmp_path / "train.parquet", cpu_launch.arithmetic_examples(3))
+    data = write_verl_dataset(tmp_path / "train.parquet", arithmetic_examples(3))
     overrides = cpu_launch.cpu_overrides("/m", data, data, output_dir=tmp_path, n=4, batch_size=3, steps=5,
                                          reward_fn_path=tmp_path / "r.py", extra=["trainer.save_freq=7"])
     config_dir = Path(verl.__file__).parent / "trainer" / "config"
@@ -120,6 +153,7 @@ def test_cpu_overrides_compose_with_verls_trainer_config(tmp_path):
     assert cfg.actor_rollout_ref.actor.strategy == "fsdp2"
     assert cfg.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
     assert cfg.ray_kwargs.ray_init.num_gpus == 1
+    assert list(cfg.trainer.logger) == ["console", "file"]  # run_trainer reads the metrics from the file logger
     assert cfg.reward.custom_reward_function.path == str(tmp_path / "r.py")
     # the step-cost settings (benchmarks/cpu_step.py measures them)
     assert cfg.actor_rollout_ref.model.use_remove_padding is False
@@ -137,17 +171,28 @@ def test_cpu_overrides_compose_with_verls_trainer_config(tmp_path):
     assert row["prompt"][0]["role"] == "user" and row["reward_model"]["ground_truth"].isdigit()
 
 
-def test_console_metrics_parser():
-    log = (
-        "\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m step:1 - actor/grad_norm:1.5 - timing_s/gen:np.float64(8.1)"
-        " - critic/score/mean:0.25\n"
-        "noise step:x\n"
-        "(TaskRunnerV1 pid=1) step:2 - actor/grad_norm:2e-3 - actor/pg_loss:-0.5\n"
-    )
-    assert cpu_launch.parse_console_metrics(log) == {
-        1: {"actor/grad_norm": 1.5, "timing_s/gen": 8.1, "critic/score/mean": 0.25},
-        2: {"actor/grad_norm": 2e-3, "actor/pg_loss": -0.5},
-    }
+def test_metrics_are_read_from_verls_file_logger(tmp_path, monkeypatch):
+    import numpy as np
+    from verl.utils.tracking import Tracking
+
+    path = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    tracking = Tracking("p", "e", default_backend=["file"])
+    tracking.log({"actor/grad_norm": 1.5, "timing_s/gen": np.float64(8.1), "actor/pg_loss": float("nan"),
+                  "training/global_step": 1, "note": "text"}, step=1)
+    tracking.log({"val-core/toy/reward/mean@2": np.float32(0.25)}, step=1)  # validation: same step, merged
+    tracking.log({"actor/grad_norm": 2e-3}, step=2)
+    tracking.finish()
+    metrics = cpu_launch.read_metrics(path)
+    assert sorted(metrics) == [1, 2] and metrics[2] == {"actor/grad_norm": 2e-3}
+    step1 = metrics[1]
+    assert math.isnan(step1.pop("actor/pg_loss"))
+    assert step1 == {"actor/grad_norm": 1.5, "timing_s/gen": 8.1, "training/global_step": 1.0,
+                     "val-core/toy/reward/mean@2": 0.25}
+    with open(path, "a") as f:
+        f.write('{"step": 3, "data": {"actor/gr')  # a run killed mid-line
+    assert sorted(cpu_launch.read_metrics(path)) == [1, 2]
+    assert cpu_launch.read_metrics(tmp_path / "never_written.jsonl") == {}
 
 
 @pytest.mark.parametrize("base", [None, {"PATH": "/bin"}])
@@ -178,13 +223,26 @@ def test_kill_session_reaches_orphans_of_the_run_only(tmp_path):
     run = subprocess.Popen(["sh", "-c", "(sleep 300 &); exit 0"], start_new_session=True)
     run.wait()
     try:
-        assert len(cpu_launch._session_pids(run.pid)) == 1
+        deadline = time.monotonic() + 30
+        while _names(cpu_launch.session_processes(run.pid)) != ["sleep"] and time.monotonic() < deadline:
+            time.sleep(0.1)  # the subshell forks, then the child becomes sleep
+        orphans = cpu_launch.session_processes(run.pid)
+        assert _names(orphans) == ["sleep"] and orphans[0].ppid() != run.pid
         assert cpu_launch.kill_session(run.pid) == 1
-        assert cpu_launch._session_pids(run.pid) == []
+        assert cpu_launch.session_processes(run.pid) == []
         assert bystander.poll() is None
     finally:
+        cpu_launch.kill_session(run.pid, grace_s=1.0)  # nothing left behind when an assertion failed
         bystander.kill()
         bystander.wait()
+
+
+def _names(processes: list[psutil.Process]) -> list[str]:
+    names = []
+    for proc in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            names.append(proc.name())
+    return names
 
 
 def test_quick_poll_replay_buffer_is_verls_sync_buffer_polling_every_tenth_of_a_second():

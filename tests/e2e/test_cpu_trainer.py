@@ -11,8 +11,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
-from verl_bpo.platforms import cpu_launch
+from tests.e2e.toy_data import arithmetic_examples, write_length_reward, write_verl_dataset
 from verl_bpo.demo.tiny_model import build_tiny_model
+from verl_bpo.platforms import cpu_launch
 
 
 def _cpu_vllm_missing() -> str | None:
@@ -35,8 +36,8 @@ pytestmark = [
 
 def test_stock_grpo_two_steps_on_cpu(tmp_path):
     model = build_tiny_model(tmp_path / "tiny_model")
-    data = cpu_launch.write_verl_dataset(tmp_path / "data" / "train.parquet", cpu_launch.arithmetic_examples(8))
-    reward = cpu_launch.write_length_reward(tmp_path / "data" / "length_reward.py")
+    data = write_verl_dataset(tmp_path / "data" / "train.parquet", arithmetic_examples(8))
+    reward = write_length_reward(tmp_path / "data" / "length_reward.py")
     overrides = cpu_launch.cpu_overrides(
         model, data, data, output_dir=tmp_path / "run", n=2, batch_size=2, steps=2, reward_fn_path=reward,
         lr=1e-2,  # large steps, so that a rollout engine left with stale weights would show in the check below

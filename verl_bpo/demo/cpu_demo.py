@@ -83,11 +83,11 @@ def _bpo_overrides(settings: DemoSettings) -> list[str]:
 
 
 class _Progress(threading.Thread):
-    """Prints one line per finished training step while the trainer writes its console log."""
+    """Prints one line per finished training step while verl's file logger writes the run's metrics."""
 
-    def __init__(self, log_path: Path, label: str, steps: int) -> None:
+    def __init__(self, metrics_path: Path, label: str, steps: int) -> None:
         super().__init__(daemon=True)
-        self.log_path, self.label, self.steps = log_path, label, steps
+        self.metrics_path, self.label, self.steps = metrics_path, label, steps
         self._stop_event = threading.Event()
         self._seen: set[int] = set()
 
@@ -97,14 +97,13 @@ class _Progress(threading.Thread):
         self.report()  # the steps logged just before the trainer exited
 
     def report(self) -> None:
-        if self.log_path.exists():
-            for step, metrics in cpu_launch.parse_console_metrics(self.log_path.read_text(errors="replace")).items():
-                if step not in self._seen and "bpo/success_rate" in metrics:
-                    self._seen.add(step)
-                    held_out = held_out_return(metrics)
-                    print(f"  [{self.label}] step {step}/{self.steps}: success {metrics['bpo/success_rate']:.2f}"
-                          f"  tokens {metrics.get('bpo/generated_tokens', 0):.0f}/tree"
-                          + (f"  held-out return {held_out:.2f}" if held_out is not None else ""), flush=True)
+        for step, metrics in cpu_launch.read_metrics(self.metrics_path).items():
+            if step not in self._seen and "bpo/success_rate" in metrics:
+                self._seen.add(step)
+                held_out = held_out_return(metrics)
+                print(f"  [{self.label}] step {step}/{self.steps}: success {metrics['bpo/success_rate']:.2f}"
+                      f"  tokens {metrics.get('bpo/generated_tokens', 0):.0f}/tree"
+                      + (f"  held-out return {held_out:.2f}" if held_out is not None else ""), flush=True)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -137,11 +136,13 @@ def train(estimator: str, model: Path, train_data: Path, val_data: Path, out: Pa
     """One training run of ``estimator`` through ``python -m verl_bpo.main`` on the CPU platform."""
     overrides = run_overrides(estimator, model, train_data, val_data, out, steps, settings)
     (out / TREE_LOG).unlink(missing_ok=True)  # the trainer appends: a rerun must not read an earlier run's trees
-    log_path = out / "console.log"
-    progress = _Progress(log_path, estimator, steps)
+    log_path, metrics_path = out / "console.log", out / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)  # the progress lines must not show an earlier run's steps
+    progress = _Progress(metrics_path, estimator, steps)
     progress.start()
     try:
-        result = cpu_launch.run_trainer(overrides, log_path=log_path, module="verl_bpo.main", timeout_s=timeout_s)
+        result = cpu_launch.run_trainer(overrides, log_path=log_path, metrics_path=metrics_path,
+                                        module="verl_bpo.main", timeout_s=timeout_s)
     finally:
         progress.stop()
     if result.returncode != 0:

@@ -1,4 +1,4 @@
-"""Run verl 0.9.1's real trainer on a CPU-only machine: environment, hydra overrides, data, hang-proof runner.
+"""Run verl 0.9.1's real trainer on a CPU-only machine: environment, hydra overrides, hang-proof runner.
 
 What a CPU run needs (every item was a measured blocker):
 
@@ -17,15 +17,15 @@ Ray + vLLM-CPU can hang instead of failing (a TransferQueue storage unit that ca
 worker), so :func:`run_trainer` always runs the trainer under ``timeout``, in a session of its own, and afterwards
 kills whatever is left in that session (Ray daemons and actors, orphaned vLLM engine processes). It does not use
 ``ray stop --force`` by default: that stops *every* Ray cluster on the machine, including other people's runs on a
-shared box; pass ``stop_all_ray=True`` on a CI machine the job owns.
+shared box; pass ``stop_all_ray=True`` on a CI machine the job owns. The run's metrics come from verl's own
+JSON-lines ``file`` logger (:func:`cpu_overrides` turns it on, :func:`run_trainer` says where it writes).
 
-Example, the stock GRPO trainer for 2 steps (measured on 2 cores: 2.5-3.5 min, ~6 GB RAM above idle)::
+Example, verl's stock GRPO trainer for 2 steps on a parquet dataset ``data`` and a reward file ``reward``
+(measured on 2 cores: 2.5-3.5 min, ~6 GB RAM above idle; tests/e2e/test_cpu_trainer.py writes toy ones)::
 
     from verl_bpo.platforms import cpu_launch as L
     from verl_bpo.demo.tiny_model import build_tiny_model
     model = build_tiny_model("/tmp/tiny")
-    data = L.write_verl_dataset("/tmp/data/train.parquet", L.arithmetic_examples(8))
-    reward = L.write_length_reward("/tmp/data/reward.py")
     result = L.run_trainer(L.cpu_overrides(model, data, data, output_dir="/tmp/run", reward_fn_path=reward),
                            log_path="/tmp/run/console.log")
     assert result.returncode == 0 and result.metrics[2]["actor/grad_norm"] > 0
@@ -33,18 +33,21 @@ Example, the stock GRPO trainer for 2 steps (measured on 2 cores: 2.5-3.5 min, ~
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
+import math
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+
+import psutil
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +140,9 @@ def cpu_overrides(
         # checks every 0.1 s (verl_bpo/platforms/replay_poll.py), through verl's custom-sampler hook.
         f"trainer.v1.sampler.custom_sampler.path=pkg://{REPLAY_BUFFER_MODULE}",
         f"trainer.v1.sampler.custom_sampler.name={REPLAY_BUFFER_CLASS}",
-        "trainer.logger=[console]",
+        # console for people reading the log; file: verl's JSON lines of each step's metrics, which run_trainer
+        # reads back (VERL_FILE_LOGGER_PATH).
+        "trainer.logger=[console,file]",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
         "trainer.device=cpu",
@@ -154,59 +159,6 @@ def cpu_overrides(
     return overrides + list(extra)
 
 
-def arithmetic_examples(count: int, seed: int = 0) -> list[dict]:
-    """``count`` "What is a plus b?" tasks as ``{"question", "answer"}`` dicts."""
-    import random
-
-    rng = random.Random(seed)
-    examples = []
-    for _ in range(count):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        examples.append({"question": f"What is {a} plus {b}?", "answer": str(a + b)})
-    return examples
-
-
-def write_verl_dataset(path: str | Path, examples: Sequence[Mapping], data_source: str = "bpo/toy") -> Path:
-    """Write ``examples`` (dicts with ``question``, ``answer`` and optional ``extra_info``) as a verl parquet.
-
-    Columns follow verl's RL dataset: ``data_source``, ``prompt`` (chat messages), ``ability``,
-    ``reward_model.{style,ground_truth}``, ``extra_info`` (split, index and anything given).
-    """
-    import pandas as pd
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [
-        {
-            "data_source": data_source,
-            "prompt": [{"role": "user", "content": ex["question"]}],
-            "ability": "toy",
-            "reward_model": {"style": "rule", "ground_truth": str(ex["answer"])},
-            "extra_info": {"split": "train", "index": i, **dict(ex.get("extra_info", {}))},
-        }
-        for i, ex in enumerate(examples)
-    ]
-    pd.DataFrame(rows).to_parquet(path)
-    return path
-
-
-_LENGTH_REWARD = '''"""Toy reward with variance within a group, so that GRPO advantages and gradients are non-zero."""
-
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return float(len(solution_str) % 7) / 7.0
-'''
-
-
-def write_length_reward(path: str | Path) -> Path:
-    """Write a ``reward.custom_reward_function.path`` file scoring responses by length mod 7 (random models
-    never solve a task, so a correctness reward would give all-zero advantages)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_LENGTH_REWARD)
-    return path
-
-
 @dataclasses.dataclass
 class RunResult:
     returncode: int
@@ -215,37 +167,29 @@ class RunResult:
     peak_mem_gb: float
     leftover_processes: int
     log: str
-    metrics: dict[int, dict[str, float]]
+    metrics: dict[int, dict[str, float]]  # read_metrics of the run's metrics file
 
 
-_STEP_LINE = re.compile(r"\bstep:(\d+) - (.*)$")
-_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf)")
-
-
-def parse_console_metrics(log: str) -> dict[int, dict[str, float]]:
-    """``{step: {metric: value}}`` from verl's console logger lines ``step:N - key:value - ...``."""
+def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
+    """``{step: {metric: value}}`` from verl's ``file`` logger (``{"step": N, "data": {...}}`` per line); the lines
+    of one step (training, validation) merge. Values that are not numbers are left out; JSON ``null`` (how the logger
+    writes NaN and infinities) reads as NaN. A missing file (a run that never logged) gives ``{}``."""
     metrics: dict[int, dict[str, float]] = {}
-    for line in log.splitlines():
-        match = _STEP_LINE.search(line)
-        if not match:
+    path = Path(path)
+    if not path.exists():
+        return metrics
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the line the logger was writing when the run was killed
             continue
-        step = metrics.setdefault(int(match.group(1)), {})
-        for item in match.group(2).split(" - "):
-            key, sep, value = item.rpartition(":")
-            # numpy scalars print as e.g. "np.float64(8.1)": read the number inside the parentheses.
-            number = _NUMBER.search(value.rsplit("(", 1)[-1]) if sep else None
-            if number:
-                step[key.strip()] = float(number.group(0))
+        step = metrics.setdefault(int(record["step"]), {})
+        for key, value in record["data"].items():
+            if value is None:
+                step[key] = math.nan
+            elif isinstance(value, (int, float)):
+                step[key] = float(value)
     return metrics
-
-
-def _used_memory_bytes() -> int:
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            name, value = line.split(":", 1)
-            info[name] = int(value.split()[0]) * 1024
-    return info["MemTotal"] - info["MemAvailable"]
 
 
 class _PeakMemory(threading.Thread):
@@ -266,6 +210,11 @@ class _PeakMemory(threading.Thread):
         return self.peak / 2**30
 
 
+def _used_memory_bytes() -> int:
+    memory = psutil.virtual_memory()
+    return memory.total - memory.available
+
+
 def ray_stop() -> None:
     """``ray stop --force`` with this interpreter's Ray: stops every Ray cluster of this user on the machine."""
     ray_cli = Path(sys.executable).with_name("ray")
@@ -274,19 +223,18 @@ def ray_stop() -> None:
                    timeout=120)
 
 
-def _session_pids(session_id: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+def session_processes(session_id: int) -> list[psutil.Process]:
+    """The live processes of session ``session_id`` (zombies, which only their parent can reap, left out)."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            if os.getsid(proc.pid) == session_id and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, OSError):  # exited meanwhile
             continue
-        if int(fields[3]) == session_id:  # fields after "(comm)": state, ppid, pgrp, session
-            pids.append(int(entry))
-    return pids
+    return found
 
 
 def kill_session(session_id: int, grace_s: float = 10.0) -> int:
@@ -294,29 +242,29 @@ def kill_session(session_id: int, grace_s: float = 10.0) -> int:
 
     The trainer runs in a session of its own and Ray does not start new sessions, so this reaches exactly the
     run's Ray daemons, actors and the vLLM engine processes that outlive a killed driver (re-parented to init),
-    and nothing of other runs on the same machine.
+    and nothing of other runs on the same machine. The session is listed again before each signal: a dying Ray
+    daemon may still start a worker.
     """
-    leftovers = _session_pids(session_id)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _session_pids(session_id)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+    leftovers = len(session_processes(session_id))
+    for send in (psutil.Process.terminate, psutil.Process.kill):
+        procs = session_processes(session_id)
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                send(proc)
         deadline = time.monotonic() + grace_s
-        while pids and time.monotonic() < deadline:
+        while procs and time.monotonic() < deadline:
             time.sleep(0.2)
-            pids = _session_pids(session_id)
-        if not pids:
+            procs = session_processes(session_id)
+        if not procs:
             break
-    return len(leftovers)
+    return leftovers
 
 
 def run_trainer(
     overrides: Sequence[str],
     *,
     log_path: str | Path,
+    metrics_path: str | Path | None = None,
     module: str = "verl.trainer.main_ppo",
     timeout_s: int = 600,
     env: Mapping[str, str] | None = None,
@@ -325,23 +273,30 @@ def run_trainer(
 ) -> RunResult:
     """Run ``python -m <module> <overrides>`` under coreutils ``timeout`` in a new session, then clean up.
 
-    stdout and stderr go to ``log_path`` (Ray forwards the workers' output, including the console metrics).
+    stdout and stderr go to ``log_path`` (Ray forwards the workers' output). verl's ``file`` logger (in
+    ``trainer.logger``, as :func:`cpu_overrides` sets it) writes the metrics to ``metrics_path`` (default: next to
+    the log, ``<log stem>.metrics.jsonl``), read back into ``RunResult.metrics`` (:func:`read_metrics`).
     ``env`` defaults to :func:`cpu_env`. A timeout gives ``timed_out=True`` and returncode 124 or 137.
     Afterwards every process left in the run's session is killed (:func:`kill_session`); ``stop_all_ray=True``
     additionally runs ``ray stop --force``, which also stops other runs' clusters (only for machines a job owns).
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    metrics_path = Path(metrics_path or log_path.with_name(f"{log_path.stem}.metrics.jsonl")).resolve()
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    metrics_path.unlink(missing_ok=True)  # a run that fails before logging must not show an earlier run's metrics
     timeout_bin = shutil.which("timeout")
     if timeout_bin is None:
         raise RuntimeError("coreutils `timeout` is required to bound a Ray/vLLM run that may hang")
     cmd = [timeout_bin, "--kill-after=30", str(timeout_s), sys.executable, "-m", module, *overrides]
+    # Ray's workers inherit the driver's environment, so the trainer's logger (in a Ray actor) reads this too.
+    run_env = {**(cpu_env() if env is None else env), "VERL_FILE_LOGGER_PATH": str(metrics_path)}
     memory = _PeakMemory()
     memory.start()
     start = time.monotonic()
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
-                                env=cpu_env() if env is None else dict(env))
+                                env=run_env)
         try:
             rc = proc.wait()
         finally:
@@ -353,4 +308,4 @@ def run_trainer(
     log = log_path.read_text(errors="replace")
     logger.info("%s: rc=%d in %.0f s, peak RAM +%.1f GB, %d leftover processes killed", module, rc, wall_s, peak_gb,
                 leftovers)
-    return RunResult(rc, rc in (124, 137), wall_s, peak_gb, leftovers, log, parse_console_metrics(log))
+    return RunResult(rc, rc in (124, 137), wall_s, peak_gb, leftovers, log, read_metrics(metrics_path))
