@@ -4,7 +4,7 @@
       → TreeSampler growing real trees in the tabular sandbox, served by the tabular softmax policy
       → AgentLoopOutput.as_dict() rows, stacked and padded as verl's trainer holds them
       → the BPO trainer's estimator context (batch_tree_call) around verl's own compute_advantage
-      → verl's registered policy loss + agg_loss with the arguments verl's actor passes (actor_loss)
+      → verl's ppo_loss on verl's actor config, per data-parallel rank, as verl's actor calls it (actor_loss)
       → autograd on per-tree copies of θ: one backward gives every tree's gradient.
 
 Only the tokenizer of the continuous-token builder is replaced: the tabular codec puts one token per state and
@@ -221,10 +221,10 @@ def advantages(case: Case, batch: Batch) -> torch.Tensor:
 def tree_gradients(case: Case, batch: Batch, advantages: torch.Tensor | None = None) -> np.ndarray:
     """Each tree's gradient estimate ĝ_i, ``(B, T, X, A)``, from verl's actor loss of one mini-batch.
 
-    The loss is split over ``case.dp_size`` data-parallel ranks, each normalised as verl's actor normalises it
-    (``global_batch_size`` = the mini-batch's rows, ``dp_size``), and the ranks' gradients are averaged as DDP/FSDP
-    averages them. Every row reads log π from its own tree's copy of θ, so the batch loss's gradient with respect
-    to copy i is the tree's share; ĝ_i = −B · (loss_scale_factor) · ∂loss/∂θ_i is the tree's own estimate of ∇J.
+    The loss is verl's ``ppo_loss`` on each of ``case.dp_size`` data-parallel ranks (``global_batch_size`` = the
+    mini-batch's rows), the ranks' gradients averaged as DDP/FSDP averages them (actor_loss). Every row reads log π
+    from its own tree's copy of θ, so the batch loss's gradient with respect to copy i is the tree's share;
+    ĝ_i = −B · (loss_scale_factor) · ∂loss/∂θ_i is the tree's own estimate of ∇J.
     """
     mdp, theta = case.mdp_theta
     codec = TabularCodec(mdp)
@@ -242,13 +242,9 @@ def tree_gradients(case: Case, batch: Batch, advantages: torch.Tensor | None = N
     logits = theta_rep[tree, t, x]  # (rows, length, A)
     action = batch.responses.where(valid, 0)
     log_prob = torch.log_softmax(logits, -1).gather(-1, action[..., None])[..., 0].where(valid, 0.0).float()
-    mb_rows = minibatch_rows(rows, 1)
-    loss = 0.0
-    for rank in range(case.dp_size):  # DDP: every rank's loss, gradients averaged
-        part = slice(rank * rows // case.dp_size, (rank + 1) * rows // case.dp_size)
-        loss = loss + actor_loss(log_prob[part], log_prob[part].detach(), adv[part].float(), mask[part],
-                                 loss_agg_mode=case.loss_agg_mode, global_batch_size=mb_rows,
-                                 loss_scale_factor=case.loss_scale_factor, dp_size=case.dp_size) / case.dp_size
+    loss = actor_loss(log_prob, log_prob.detach(), adv.float(), mask, loss_agg_mode=case.loss_agg_mode,
+                      global_batch_size=minibatch_rows(rows, 1), loss_scale_factor=case.loss_scale_factor,
+                      dp_size=case.dp_size)
     loss.backward()
     scale = case.loss_scale_factor if case.loss_agg_mode == "seq-mean-token-sum-norm" else 1.0
     return -B * scale * theta_rep.grad.double().numpy()

@@ -3,8 +3,8 @@
 Trees grow in a tabular-MDP sandbox (a real Sandbox: native snapshots, re-seeded children, episodes that stop at
 random depths, so paths end before their forks and trees are under-filled; steps that crash) under a tabular
 softmax policy served as the LLM client. They go through the real ``bpo_tree`` agent loop, verl's row layout, the
-BPO trainer's estimator context around verl's ``compute_advantage``, and verl's policy loss with the arguments
-verl's actor passes, over two data-parallel ranks (tests/production.py). Per tree i, ĝ_i comes from autograd.
+BPO trainer's estimator context around verl's ``compute_advantage``, and verl's actor loss (``ppo_loss`` on verl's
+actor config), over two data-parallel ranks (tests/production.py). Per tree i, ĝ_i comes from autograd.
 
 1. **Exact normalisation.** Each tree's gradient through verl's loss equals Σ_e W_e A_e ∇log π of that tree
    (production credit, numpy), to float precision, whatever its leaf count — the batch gradient is

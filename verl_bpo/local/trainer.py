@@ -9,7 +9,7 @@ and replaces only the serving and sharding machinery:
   :class:`~verl_bpo.core.fork_policy.ForkPolicy` kept across updates, as an agent-loop worker keeps it;
 * advantages come from verl's estimator registry (``core_algos.get_adv_estimator_fn``): this plugin's ``bpo``, and
   verl's own ``grpo``/``rloo``, called the way verl's trainer calls them, with the BPO trainer's rows per tree;
-* the loss is verl's registered policy loss aggregated by ``agg_loss`` with the arguments verl's actor passes
+* the loss is verl's actor loss, ``ppo_loss`` on verl's actor config, called as verl's actor calls it
   (:func:`~verl_bpo.integration.actor_loss.actor_loss`: the batch's rows as ``global_batch_size``, the response
   length as ``loss_scale_factor``), with verl's default gradient clipping (1.0); ``grad_norm`` is the pre-clip
   norm, as verl's actor logs it;
