@@ -84,9 +84,9 @@ def test_the_bpo_block_is_the_dataclass_schema(compose_bpo):
         compose_bpo("bpo.kk=2")  # the schema is closed: a key it lacks cannot be overridden
 
 
-def test_readme_table_lists_every_bpo_field_with_its_default():
-    readme = (Path(CONFIG_DIR).parents[2] / "README.md").read_text()
-    table = readme.split("### The `bpo:` block")[1].split("\n\n")[1]
+def test_the_field_reference_lists_every_bpo_field_with_its_default():
+    reference = (Path(CONFIG_DIR).parents[2] / "docs" / "training.md").read_text()
+    table = reference.split("## The `bpo:` block")[1].split("\n\n")[1]
     documented = {}
     for line in table.splitlines()[2:]:
         names, defaults = line.split("|")[1:3]
@@ -108,6 +108,12 @@ def test_grpo_baseline_gets_flat_groups_under_auto(compose_bpo):
 
 
 # --- bad settings: each fails in prepare_config, before Ray, naming the key and the fix -------------------------
+
+def fast_tier(cases: list, keep: int) -> list:
+    """The first ``keep`` cases run in the fast tier, the rest are `slow`: each composes verl's whole trainer config
+    (about half a second of CPU), and a few cases of a rule family are enough for a quick check."""
+    return [case if i < keep else pytest.param(*case, marks=pytest.mark.slow) for i, case in enumerate(cases)]
+
 
 BAD_SETTINGS = [
     (["actor_rollout_ref.rollout.n=1"], r"actor_rollout_ref\.rollout\.n=1 is the number of leaves"),
@@ -139,7 +145,7 @@ BAD_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("overrides,message", BAD_SETTINGS)
+@pytest.mark.parametrize("overrides,message", fast_tier(BAD_SETTINGS, 6))
 def test_bad_settings_fail_before_anything_starts(compose_bpo, overrides, message):
     cfg = compose_bpo(*overrides)
     with pytest.raises(ValueError, match=message):
@@ -242,6 +248,7 @@ def test_the_trainer_mode_name_builds_bpo_trainer_in_sync_mode():
     assert get_trainer_cls(TRAINER_MODE) is BPOTrainer and issubclass(BPOTrainer, PPOTrainerSync)
 
 
+@pytest.mark.slow
 def test_the_plugin_registers_bpo_trainer_in_the_workers_of_a_stock_bpo_run_only():
     probe = ("import verl; from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY; "
              "print('bpo' in TRAINER_REGISTRY)")
@@ -321,6 +328,7 @@ def run_command(args: list[str], cwd: Path):
     return out, time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "entry,overrides,message",
     [
@@ -380,7 +388,7 @@ def task(value):
 
 @pytest.mark.parametrize(
     "edits,extra,message",
-    [
+    fast_tier([
         ([keep, no_sandbox], [],
          r"data\.(train|val)_files=.*rows\.parquet: row 1 has no extra_info\.sandbox, so the bpo_tree agent loop "
          r"would run it in bpo\.sandbox, left at its default \('smoke' with no config\).*verl_bpo\.data.*"
@@ -400,7 +408,7 @@ def task(value):
          r"\[0, 1\)"),
         ([no_sandbox, no_sandbox], ["bpo.sandbox.name=webshop"],
          r"row 0: extra_info\.task does not fit sandbox 'webshop' \(bpo\.sandbox\): .*\['goal_index'\]"),
-    ],
+    ], 4),
 )
 def test_rows_the_tree_loop_cannot_run_are_refused(compose_bpo, tmp_path, edits, extra, message):
     rows = rows_file(tmp_path / "rows.parquet", *edits)
@@ -518,7 +526,7 @@ MORE_BAD_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("overrides,message", MORE_BAD_SETTINGS)
+@pytest.mark.parametrize("overrides,message", fast_tier(MORE_BAD_SETTINGS, 4))
 def test_settings_the_workers_or_the_trainer_would_refuse_late_fail_now(compose_bpo, overrides, message):
     cfg = compose_bpo("actor_rollout_ref.rollout.n=4", *overrides)
     with pytest.raises(ValueError, match=message):

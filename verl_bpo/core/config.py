@@ -2,7 +2,7 @@
 
 This is the single source of truth for every BPO setting. verl's hydra config takes its schema from here
 (``verl_bpo.integration.config`` registers it), the tree sampler, the fork policy and the estimator read it, and
-the README's table is checked against it by the tests. The number of leaves per task is verl's own
+the field table of docs/training.md is checked against it by the tests. The number of leaves per task is verl's own
 ``actor_rollout_ref.rollout.n`` and is passed alongside, never duplicated here. Pure Python: no verl, no omegaconf.
 """
 

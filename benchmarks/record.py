@@ -1,0 +1,89 @@
+"""Keep a benchmark's result where the README can cite it: ``docs/results/<name>.json``.
+
+Every benchmark here prints one JSON object as its last line. This runs one (or reads the log of a finished run) and
+writes that object with what it takes to reproduce and judge it: the command, the date, the commit, the machine's
+cores and the wall time. The README's summary table cites these files by name and key, and
+``tests/test_readme_results.py`` checks every cited figure against them, so a README figure changes only with a
+recorded run.
+
+    python benchmarks/record.py variance_quick -- python benchmarks/variance.py --quick
+    python benchmarks/record.py variance_quick --log run.log --wall-s 512 -- python benchmarks/variance.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def last_json_line(text: str) -> dict:
+    """The last line of ``text`` that is a JSON object (a benchmark's summary)."""
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    raise ValueError("no JSON object line in the output: the benchmark did not finish")
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=RESULTS.parents[1])
+    return out.stdout.strip() or "unknown"
+
+
+def record(name: str, command: list[str], output: str, wall_s: float, note: str = "") -> Path:
+    entry = {
+        "name": name,
+        "command": shlex.join(command),
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "cpus": os.cpu_count(),
+        "wall_s": round(wall_s, 1),
+        "note": note,
+        "result": last_json_line(output),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(entry, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s NAME [options] -- COMMAND ...")
+    parser.add_argument("name", help="the file's stem under docs/results/")
+    parser.add_argument("--log", type=Path, help="the output of a finished run instead of running the command")
+    parser.add_argument("--wall-s", type=float, help="with --log: the run's wall time")
+    parser.add_argument("--note", default="", help="what else a reader must know (load on the machine, ...)")
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, command = parser.parse_args(argv[:split]), argv[split + 1:]
+    if not command:
+        parser.error("give the benchmark command after --")
+    if args.log is not None:
+        if args.wall_s is None:
+            parser.error("--log needs --wall-s")
+        output, wall = args.log.read_text(errors="replace"), args.wall_s
+    else:
+        start = time.monotonic()
+        run = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+        output, wall = run.stdout, time.monotonic() - start
+        sys.stdout.write(output)
+        if run.returncode != 0:
+            sys.exit(f"the benchmark failed with exit status {run.returncode}; nothing recorded")
+    print(record(args.name, command, output, wall, args.note))
+
+
+if __name__ == "__main__":
+    main()
