@@ -272,7 +272,8 @@ class AllocationPlan(_BudgetedPlan):
 
     The model measures a turn's gradient size by 1 − p(token), blind to how large each token's parameter gradient
     is, and assumes that size independent of the return; on a real policy the allocation can lose
-    (docs/results.md, "The model against the measurement"). ``bpo/predicted_variance_ratio`` logs what the model expects against RLOO.
+    (docs/results.md, "The model against the measurement"). ``bpo/predicted_variance_ratio`` logs what the model
+    expects against RLOO.
     """
 
     kind = "learned"
