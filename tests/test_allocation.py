@@ -16,6 +16,8 @@ from verl_bpo.core.profile import DepthProfile, TreeRecord
 from verl_bpo.oracle.estimates import sample_trees
 
 N, T = 16, 8
+# `slow` (outside the fast tier): the tests that grow hundreds of trees to learn a profile; the fast tier keeps the
+# hand-built checks and one short learned run.
 
 
 def learned(**kw) -> BPOConfig:
@@ -56,6 +58,7 @@ def shape(result) -> dict:
     return {"root": len(root_children), "leaves": len(paths)}
 
 
+@pytest.mark.slow
 def test_a_first_move_decision_makes_the_tree_flat_exactly_rloo():
     results, policy = grow("early", learned(warmup_trees=200, explore_share=0.0), 260, good=1.0, bad=0.0)
     injected = policy.profile.injected_variance()
@@ -64,6 +67,7 @@ def test_a_first_move_decision_makes_the_tree_flat_exactly_rloo():
         assert shape(result) == {"root": N, "leaves": N}  # K0 = N and no later fork
 
 
+@pytest.mark.slow
 def test_first_move_with_a_coin_flip_at_the_end_forks_the_last_turn_too():
     results, policy = grow("early", learned(warmup_trees=200, explore_share=0.0), 260)
     injected = policy.profile.injected_variance()
@@ -71,6 +75,7 @@ def test_first_move_with_a_coin_flip_at_the_end_forks_the_last_turn_too():
     assert np.mean([shape(r)["root"] for r in results[200:]]) > N / 2  # most of the budget still at the root
 
 
+@pytest.mark.slow
 def test_a_last_move_decision_keeps_a_narrow_root_and_forks_the_last_turn():
     results, policy = grow("late", learned(warmup_trees=200, explore_share=0.0), 260)
     injected = policy.profile.credited_variance()
@@ -98,6 +103,7 @@ def test_turn_budget_and_leaf_cap_are_kept():
     assert {len(r.leaves) for r in leaf_budget[50:]} == {N}  # exactly N leaves
 
 
+@pytest.mark.slow
 def test_exploration_trees_have_the_fixed_shape_and_fork_depths_spread_evenly():
     results, policy = grow("late", learned(warmup_trees=400), 400)
     fork_depths = []
@@ -142,6 +148,7 @@ def test_a_learned_plan_reads_only_the_view_and_its_randomness():
     assert policy.start_tree(N, seed=1).widths([other], [5.0]) == first
 
 
+@pytest.mark.slow
 def test_an_explicit_budget_replaces_the_learned_one_and_sizes_the_shape():
     """A tree handed a budget (a paired baseline's tokens on the task) plans within it, not within N flat
     rollouts' worth; a larger budget buys a costlier shape, and exploration trees record it too."""

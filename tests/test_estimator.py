@@ -49,6 +49,7 @@ def test_registered_under_bpo_in_verls_registry():
     assert get_adv_estimator_fn("bpo") is compute_bpo_advantage
 
 
+@pytest.mark.slow  # a fresh interpreter importing verl
 def test_entry_point_registers_bpo_in_a_fresh_process():
     code = "import verl; from verl.trainer.ppo.core_algos import get_adv_estimator_fn as g; print(g('bpo').__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

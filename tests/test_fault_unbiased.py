@@ -45,6 +45,10 @@ from verl_bpo.demo.tiny_model import build_tiny_model
 from verl_bpo.oracle.mdp import exact_gradient
 from verl_bpo.oracle.sandbox import TabularSandbox
 
+# Three Monte-Carlo cases (minutes on 2 cores): outside the fast tier, whose Monte-Carlo check is the production case
+# and its control in tests/test_production_unbiased.py.
+pytestmark = pytest.mark.slow
+
 TREES = int(os.environ.get("BPO_FAULT_MC_TREES", "4096"))
 
 

@@ -16,6 +16,8 @@ from verl_bpo.demo.tiny_model import build_tiny_model
 
 SMOKE = {"length": 3, "max_steps": 4}
 BPO = {"k": 2, "k0": 2, "max_turns": 3, "max_tokens_per_turn": 4}
+# `slow` (outside the fast tier): the tests that generate and train more than one step; the fast tier keeps one
+# step and the cheap checks.
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,7 @@ def make_trainer(model_dir, estimator="bpo", **kw):
     return LocalRL(model, tokenizer, "smoke", SMOKE, config)
 
 
+@pytest.mark.slow
 def test_concurrent_requests_become_one_batched_generate_with_teacher_forced_log_probs(model_dir):
     trainer = make_trainer(model_dir)
     client, tokenizer = trainer.client, trainer.tokenizer
@@ -52,6 +55,7 @@ def test_concurrent_requests_become_one_batched_generate_with_teacher_forced_log
         np.testing.assert_allclose(out.log_probs, expected.numpy(), atol=2e-4)
 
 
+@pytest.mark.slow
 def test_training_log_probs_match_the_rollout_on_generated_tokens(model_dir):
     trainer = make_trainer(model_dir)
     results = trainer.rollout([{"task_id": 0}, {"task_id": 1}])
@@ -78,6 +82,7 @@ def _with_returns(results, returns):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["bpo", "grpo"])
 def test_equal_returns_give_no_gradient_and_different_returns_do(estimator, model_dir):
     trainer = make_trainer(model_dir, estimator)
@@ -119,6 +124,7 @@ def test_warm_start_chats_follow_the_expert_as_often_as_asked():
         random_policy_chats("textworld", {}, [{}], 1, 1, expert_prob=0.5)
 
 
+@pytest.mark.slow
 def test_warm_start_gives_tokens_its_chats_never_contain_the_mean_embedding(model_dir, tmp_path):
     """An untrained input row as context gives the next token's log-prob a gradient far above a trained token's (the
     heavy tail that dominated the learning benchmark's variance); the warm start mean-fills those rows."""
@@ -148,6 +154,7 @@ def learning_benchmark():
     return load()
 
 
+@pytest.mark.slow
 def test_a_step_gives_each_tasks_tree_the_budget_it_is_handed(model_dir):
     """The learning benchmark matches BPO's tokens per update to a baseline's by handing each tree a budget."""
     trainer = make_trainer(model_dir, bpo={**BPO, "allocation": "learned", "budget": "tokens", "warmup_trees": 0,

@@ -38,6 +38,10 @@ ESTIMATORS = ("bpo", "grpo", "rloo")
 SCRIPTS = [RECIPES / b / f"run_{e}_{m}.sh" for b, m, e in itertools.product(BENCHMARKS, MODELS, ESTIMATORS)]
 # What a comparison may differ in: the estimator, and the experiment name that says which estimator it is.
 ESTIMATOR_KEYS = {"algorithm.adv_estimator", "trainer.experiment_name"}
+# The fast tier composes each benchmark's BPO recipe and compares the estimators on one model (a second or more per
+# composition); the other combinations are `slow`.
+FAST_MODEL = next(iter(MODELS))
+FAST_SCRIPTS = {RECIPES / b / f"run_bpo_{FAST_MODEL}.sh" for b in BENCHMARKS}
 RECIPE_ENV = ("DATA_DIR", "MODEL_PATH", "PYTHON", "PROJECT_NAME", "NNODES", "N_GPUS_PER_NODE", "ROLLOUT_TP")
 
 
@@ -100,7 +104,8 @@ def test_every_benchmark_has_bpo_grpo_rloo_for_both_models():
         assert len(script.read_text().splitlines()) < 15
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("script", [pytest.param(s, marks=() if s in FAST_SCRIPTS else pytest.mark.slow)
+                                    for s in SCRIPTS], ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_recipe_composes_validates_and_resolves_to_its_components(script, recipe_home):
     benchmark, estimator = script.parent.name, script.stem.split("_")[1]
     model_tag = script.stem.split("_", 2)[2]
@@ -141,7 +146,8 @@ def test_recipe_composes_validates_and_resolves_to_its_components(script, recipe
     assert prepare_data.BENCHMARKS[benchmark][2]["max_steps"] == bpo.max_turns
 
 
-@pytest.mark.parametrize("benchmark,model", list(itertools.product(BENCHMARKS, MODELS)))
+@pytest.mark.parametrize("benchmark,model", [pytest.param(b, m, marks=() if m == FAST_MODEL else pytest.mark.slow)
+                                             for b, m in itertools.product(BENCHMARKS, MODELS)])
 def test_bpo_and_baselines_differ_only_in_the_estimator(benchmark, model):
     overrides = {e: overrides_of(RECIPES / benchmark / f"run_{e}_{model}.sh") for e in ESTIMATORS}
     configs = {e: flat(compose_recipe(o)) for e, o in overrides.items()}
@@ -157,7 +163,8 @@ def test_bpo_and_baselines_differ_only_in_the_estimator(benchmark, model):
     assert len({tuple(c[k] for k in compute) for c in configs.values()}) == 1
 
 
-@pytest.mark.parametrize("benchmark", BENCHMARKS)
+@pytest.mark.parametrize("benchmark", [pytest.param(b, marks=() if i == 0 else pytest.mark.slow)
+                                       for i, b in enumerate(BENCHMARKS)])
 def test_the_two_models_share_every_setting_but_the_model(benchmark):
     qwen, llama = (flat(compose_recipe(overrides_of(RECIPES / benchmark / f"run_bpo_{m}.sh"))) for m in MODELS)
     assert {k for k in qwen if qwen[k] != llama[k]} == {"actor_rollout_ref.model.path", "trainer.experiment_name"}
@@ -265,6 +272,7 @@ def alfworld_out(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_alfworld_generated_games(alfworld_out):
     train, val = read_rows(alfworld_out / "train.parquet"), read_rows(alfworld_out / "val.parquet")
     train_tasks, val_tasks = check_rows(train, "alfworld", "train"), check_rows(val, "alfworld", "val")
@@ -276,6 +284,7 @@ def test_alfworld_generated_games(alfworld_out):
     assert "Your task is to" in train[0]["prompt"][1]["content"]
 
 
+@pytest.mark.slow
 def test_alfworld_data_dir_and_env_var_without_rendering(alfworld_out, tmp_path, monkeypatch):
     monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_out / "source"))
     prepare_data.main(["alfworld", "--out", str(tmp_path), "--no-render", "--val-split", "train"])

@@ -220,6 +220,7 @@ def test_a_failed_leaf_keeps_shared_prefix_rewards_consistent():
         assert all(leaf.reward == sum(leaf.meta.turn_rewards) for leaf in result.leaves)
 
 
+@pytest.mark.slow  # generates a TextWorld game (tw-make) for itself
 @pytest.mark.envs
 def test_concurrent_trees_on_a_thread_unsafe_engine_do_not_crash(tmp_path):
     """TextWorld corrupts its shared grammar parser under concurrent resets; the sampler serializes its calls."""

@@ -16,6 +16,7 @@ K = 8, the quantile selector on the next-token entropy):
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from verl_bpo.core.config import BPOConfig
 from verl_bpo.core.leaf_meta import build_leaf_rows
@@ -23,6 +24,9 @@ from verl_bpo.core.tree import compute_credit
 from verl_bpo.oracle.estimates import mean_turns, sample_trees, tree_gradients
 from verl_bpo.oracle.mdp import problem, state_values
 from verl_bpo.oracle.policy import TabularCodec
+
+# Thousands of trees per regime (minutes on 2 cores): outside the fast tier.
+pytestmark = pytest.mark.slow
 
 N = 16
 BPO = BPOConfig(mode="tree", k=8, k0=2, selector="quantile", score="next_token_entropy", max_turns=8)

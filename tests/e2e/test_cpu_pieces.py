@@ -48,10 +48,12 @@ def _probe(platform: str | None) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter that imports verl: tens of seconds on 2 cores
 def test_cpu_platform_is_inert_without_verl_platform_cpu():
     assert _probe(None).split("\n")[:2] == ["registered False", "shim False"]
 
 
+@pytest.mark.slow  # a fresh interpreter that imports verl: tens of seconds on 2 cores
 def test_cpu_platform_registers_and_initialises_gloo():
     lines = _probe("cpu").split("\n")
     assert lines[:2] == ["registered True", "shim True"]
@@ -103,11 +105,13 @@ def _vllm_probe(platform: str | None) -> list[str]:
     return [line for line in out.stdout.splitlines() if line.startswith(("vllm imported", "shim"))]  # not vLLM's logs
 
 
+@pytest.mark.slow  # a fresh interpreter that imports verl: tens of seconds on 2 cores
 def test_vllm_plugin_never_imports_vllm_without_verl_platform_cpu():
     # vLLM calls the hook in each engine process; a GPU user's engines must not pay for or be changed by it.
     assert _vllm_probe(None) == ["vllm imported False"]
 
 
+@pytest.mark.slow  # a fresh interpreter that imports verl and vLLM
 @pytest.mark.skipif(_cpu_vllm_missing() is not None, reason=_cpu_vllm_missing() or "")
 def test_vllm_plugin_wraps_the_cpu_gemm_dispatch_once_under_verl_platform_cpu():
     assert _vllm_probe("cpu") == ["vllm imported True", "shim True True False"]

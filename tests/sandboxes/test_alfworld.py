@@ -20,6 +20,8 @@ from sandbox_adapters.registry import get_sandbox_cls  # noqa: E402
 from tests.sandboxes.conformance import SandboxConformance, transcript  # noqa: E402
 
 pytestmark = pytest.mark.envs
+# `slow` (outside the fast tier): the conformance suites and the tests that play many episodes; the fast tier
+# keeps one engine episode and the checks around the game files.
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +43,7 @@ def alf_games(alf_root):
     return games
 
 
+@pytest.mark.slow
 class TestALFWorldConformance(SandboxConformance):
     config = ALFWorldSandbox.Config()
     many_restores = 4
@@ -105,6 +108,7 @@ def _branch_runs(game, prefix, branches, mode):
         child.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fork_at", [1, 4])
 def test_sas_snapshot_equals_replay(alf_games, fork_at):
     """The SAS restore touches private TextWorld/fast-downward state; replay from reset is the reference."""
@@ -121,6 +125,7 @@ def test_sas_snapshot_equals_replay(alf_games, fork_at):
     assert len({tuple(run[1]) for run in fast}) > 1, "branches should reach different states"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_type", TASK_TYPES)
 def test_every_task_type_is_won_by_its_expert_plan(alf_games, task_type):
     game = alf_games[task_type]
@@ -208,6 +213,7 @@ def test_problem_generator_is_deterministic(tmp_path, alf_root):
     assert problem.count("(pickupable ") == 15  # the target and 14 distractors (the lamp is not pickupable)
 
 
+@pytest.mark.slow
 def test_closed_engines_are_recycled(alf_games):
     game = alf_games["pick_and_place_simple"]
     first = ALFWorldSandbox()
@@ -224,6 +230,7 @@ def test_closed_engines_are_recycled(alf_games):
         second.close()
 
 
+@pytest.mark.slow
 def test_failed_restore_discards_the_engine(alf_games):
     from sandbox_adapters.base import RestoreFailed
 
@@ -262,6 +269,7 @@ def test_registry_and_config():
         ALFWorldSandbox.Config(snapshot="fork")
 
 
+@pytest.mark.slow
 def test_forks_into_fresh_sandboxes_never_translate_the_pddl(alf_games, monkeypatch):
     """The sampler restores each child into a fresh sandbox: the game's loaded parts travel with the snapshot, so
     neither a new engine nor an idle engine of another game re-translates the PDDL (seconds on real scenes)."""
@@ -294,6 +302,7 @@ def test_forks_into_fresh_sandboxes_never_translate_the_pddl(alf_games, monkeypa
     assert expected[-1][1:] == (1.0, True) and not translations
 
 
+@pytest.mark.slow
 def test_closing_during_a_running_call_drops_the_engine(alf_games):
     """A sandbox quarantined after a hung call is closed while the call still runs: its engine must not be handed
     to another sandbox."""

@@ -294,6 +294,9 @@ def _grow(trees, make, task=None, turns=("look",), **config):
     return results, time.monotonic() - start
 
 
+# `slow` (outside the fast tier): the tests that start engine processes; the fast tier keeps the one that stays in
+# this process.
+@pytest.mark.slow
 def test_concurrent_trees_of_a_non_thread_safe_engine_run_in_parallel_in_engine_processes(engines):
     _grow(3, FakeProcessEngine)  # starts the three processes and imports the engine in each
     (alone,), one = _grow(1, FakeProcessEngine)
@@ -304,6 +307,7 @@ def test_concurrent_trees_of_a_non_thread_safe_engine_run_in_parallel_in_engine_
     assert alone.metrics["bpo/sandbox_s"] >= 0.05 * 8  # the steps did sleep: the trees had work to overlap
 
 
+@pytest.mark.slow
 def test_a_tree_lives_in_one_engine_process_and_trees_spread_over_them(engines):
     async def run():
         calls = [SandboxCalls(5.0) for _ in range(3)]
@@ -326,6 +330,7 @@ def test_a_tree_lives_in_one_engine_process_and_trees_spread_over_them(engines):
     assert os.getpid() not in pids
 
 
+@pytest.mark.slow
 def test_a_hung_call_in_an_engine_process_kills_it_and_the_next_tree_proceeds(engines):
     made = []
 
@@ -401,6 +406,7 @@ def _grow_alfworld(trees, alf_game, spans=None):
     return _grow(trees, make, {"game": game}, ["look", *plan], max_turns=len(plan) + 1, step_timeout_s=60.0)
 
 
+@pytest.mark.slow
 @pytest.mark.envs
 def test_alfworld_trees_of_one_worker_step_in_parallel_in_engine_processes(engines, alf_game, tmp_path):
     """Steps of two concurrent ALFWorld trees run in two engine processes at the same time (under one lock per
@@ -419,6 +425,7 @@ def test_alfworld_trees_of_one_worker_step_in_parallel_in_engine_processes(engin
     assert any(a < d and c < b for a, b in first for c, d in second), "no two steps of the two trees overlapped"
 
 
+@pytest.mark.slow
 @pytest.mark.envs
 def test_alfworld_concurrent_trees_take_at_most_1_3x_one_tree(engines, alf_game):
     cpus = len(os.sched_getaffinity(0))

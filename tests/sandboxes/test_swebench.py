@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not 
 needs_swebench = pytest.mark.skipif(not swebench_available(), reason="the `swebench` package (envs extra) is "
                                     "not installed; grading uses its real code")
 needs_overlay = pytest.mark.skipif(not overlay_supported(), reason="this process cannot mount overlayfs (needs root)")
+# `slow` (outside the fast tier): the conformance suites, grading (a pytest run per grade) and the runaway
+# commands that run into their limits; the fast tier keeps the confinement checks.
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +96,7 @@ class SWEConformanceHooks(SandboxConformance):
         sandbox._runner.run = broken
 
 
+@pytest.mark.slow
 @pytest.mark.envs
 @needs_swebench
 class TestSWEMemoryConformance(SWEConformanceHooks):
@@ -147,6 +150,7 @@ def test_cwd_persists_but_shell_state_does_not(tasks):
         assert "VALUE = 3" in sandbox.step(bash("cat /testbed/pkg0/new.py")).observation.text
 
 
+@pytest.mark.slow
 def test_timing_strings_and_addresses_are_normalised(tasks):
     from sandbox_adapters.swebench import normalise_output
 
@@ -233,6 +237,7 @@ def test_memory_hog_is_stopped(tasks):
     assert "MemoryError" in result.observation.text and "ALLOCATED" not in result.observation.text
 
 
+@pytest.mark.slow
 def test_infinite_loop_is_killed_and_the_sandbox_goes_on(tasks):
     with _sandbox(command_timeout_s=1.5) as sandbox:
         sandbox.reset(tasks[0])
@@ -244,6 +249,7 @@ def test_infinite_loop_is_killed_and_the_sandbox_goes_on(tasks):
         assert "still here" in sandbox.step(bash("echo still here")).observation.text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the process limit only binds a dedicated uid when run as root")
 def test_fork_bomb_is_contained(tasks):
     uid = 64_999  # a uid of its own, so that no other sandbox's processes count here
@@ -262,6 +268,7 @@ def test_fork_bomb_is_contained(tasks):
     assert not _uid_processes(uid), "fork-bomb processes survived the step"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [pytest.param("overlay", marks=needs_overlay), "memory"])
 def test_a_dropped_sandbox_cleans_up_after_itself(tasks, tmp_path, monkeypatch, backend):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -336,6 +343,7 @@ def test_memory_snapshot_keeps_symlinks_as_links(tasks):
     assert "/etc/hostname\nIS_LINK" in out
 
 
+@pytest.mark.slow
 @needs_overlay
 def test_overlay_flattens_deep_stacks_exactly(tasks):
     with _sandbox("overlay", max_layers=2) as sandbox:
@@ -380,6 +388,7 @@ def test_generated_instances_load_with_swebench(tasks, tmp_path):
         assert head.stdout.strip() == task["base_commit"]
 
 
+@pytest.mark.slow
 @pytest.mark.envs
 @needs_swebench
 def test_grading_empty_patch_unresolved_gold_resolved(tasks):
@@ -396,6 +405,7 @@ def test_grading_empty_patch_unresolved_gold_resolved(tasks):
             assert result.done and result.reward == 1.0 and result.info["resolved"], (task["instance_id"], result)
 
 
+@pytest.mark.slow
 @pytest.mark.envs
 @needs_swebench
 def test_breaking_a_passing_test_or_step_limit_is_unresolved(tasks):
@@ -409,6 +419,7 @@ def test_breaking_a_passing_test_or_step_limit_is_unresolved(tasks):
     assert result.info["pass_to_pass_failures"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.envs
 @needs_swebench
 def test_invalid_turns_count_towards_the_step_limit(tasks):
@@ -421,6 +432,7 @@ def test_invalid_turns_count_towards_the_step_limit(tasks):
     assert last.info["fail_to_pass_failures"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.envs
 @needs_swebench
 def test_branches_graded_independently(tasks):

@@ -17,6 +17,7 @@ from sandbox_adapters.swebench.grading import swebench_available
 from tests.sandboxes.test_swebench import SWEConformanceHooks, bash
 
 pytestmark = [
+    pytest.mark.slow,  # instance images and containers: outside the fast tier
     pytest.mark.envs,
     pytest.mark.skipif(not swebench_available(), reason="the `swebench` package (envs extra) is not installed"),
 ]

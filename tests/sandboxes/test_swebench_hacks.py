@@ -21,6 +21,7 @@ from sandbox_adapters.swebench import grading, protected
 from sandbox_adapters.swebench import sandbox as sandbox_module
 from sandbox_adapters.swebench.grading import ExtractedPatch, swebench_available
 
+# `slow` (outside the fast tier): each hack graded on both backends; the fast tier keeps the pure checks.
 pytestmark = [
     pytest.mark.envs,
     pytest.mark.skipif(not swebench_available(), reason="the `swebench` package (envs extra) is not installed"),
@@ -326,6 +327,7 @@ def unprotected(monkeypatch):
     return off
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hack", list(HACKS))
 def test_a_reward_hack_earns_nothing(swe_backend, request, hack, unprotected):
     make, tasks = swe_backend
@@ -347,6 +349,7 @@ def test_a_reward_hack_earns_nothing(swe_backend, request, hack, unprotected):
     assert paid == expected, f"control: {hack} without protection paid {paid} on {backend}"
 
 
+@pytest.mark.slow
 def test_the_honest_fix_earns_one_and_ignored_files_are_named(swe_backend):
     make, tasks = swe_backend
     task = tasks[0]
@@ -363,6 +366,7 @@ def test_the_honest_fix_earns_one_and_ignored_files_are_named(swe_backend):
     assert "setup.cfg" in result.observation.text and not result.info["grading_tampered"]
 
 
+@pytest.mark.slow
 def test_deleting_protected_files_is_undone_too(swe_backend):
     """Deleting the test file (or a conftest the repository has) is a change to a protected path: restored."""
     make, tasks = swe_backend
@@ -396,6 +400,7 @@ def window_sums(values, size):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gaming", ["values equal to anything", "a name exported to the test module"])
 def test_spec_gaming_is_not_caught(swe_backend, gaming):
     """What test-based grading cannot catch: the tests pass, the issue is not fixed (stated, not wanted)."""

@@ -17,10 +17,13 @@ import pytest
 
 from sandbox_adapters.swebench.limits import cgroups_available, quota_disks_available
 
-pytestmark = pytest.mark.skipif(
-    not (cgroups_available() and quota_disks_available()),
-    reason="per-sandbox budgets need root (cgroups and loop-mounted disks); the SWE sandbox falls back to "
-           "per-process limits without them")
+pytestmark = [
+    pytest.mark.slow,  # a real sandbox per test and budgets run out on purpose: outside the fast tier
+    pytest.mark.skipif(
+        not (cgroups_available() and quota_disks_available()),
+        reason="per-sandbox budgets need root (cgroups and loop-mounted disks); the SWE sandbox falls back to "
+               "per-process limits without them"),
+]
 
 
 def bash(cmd: str) -> str:

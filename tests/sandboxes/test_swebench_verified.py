@@ -28,6 +28,7 @@ pytestmark = [
 needs_bwrap = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed (apt-get install "
                                  "bubblewrap); the local SWE sandbox confines every command with it")
 
+# `slow` (outside the fast tier): preparing and grading the row in a sandbox; the fast tier keeps the row checks.
 INSTANCE_ID = "psf__requests-90001"
 VERIFIED_FIELDS = (*CLASSIC_FIELDS, "difficulty")
 _GIT_ENV = {"GIT_AUTHOR_NAME": "bpo-tests", "GIT_AUTHOR_EMAIL": "tests@bpo.invalid", "GIT_COMMITTER_NAME": "bpo-tests",
@@ -276,6 +277,7 @@ def test_prepare_refuses_a_row_without_version(verified, tmp_path):
 # end to end, local backend
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_prepare_then_grade_locally(verified, tmp_path):
     """``prepare`` completes the row; the sandbox grades the empty patch 0 and the gold patch 1."""
@@ -300,6 +302,7 @@ def test_prepare_then_grade_locally(verified, tmp_path):
         assert time.monotonic() - started < 120
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_sandbox_completes_a_classic_row(verified):
     """A classic row that did not come through ``prepare`` is completed at reset; a bad one is refused there."""
@@ -363,6 +366,7 @@ def verified_image(verified, tmp_path_factory):
     return image, str(tmp_path_factory.mktemp("swe_verified_testbeds"))
 
 
+@pytest.mark.slow
 def test_prepare_then_grade_in_docker(verified, verified_image, tmp_path):
     """``prepare --backend docker`` derives SWE-bench's own script (conda steps included, which fail softly in an
     image without conda); the sandbox grades the empty patch 0 and the gold patch 1 in the instance's image."""

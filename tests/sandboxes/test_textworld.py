@@ -16,6 +16,8 @@ from sandbox_adapters.textworld import TextWorldSandbox, game_walkthrough, make_
 from tests.sandboxes.conformance import SandboxConformance, transcript  # noqa: E402
 
 pytestmark = pytest.mark.envs
+# `slow` (outside the fast tier): the conformance suites, the snapshot sweeps and regenerating games; the fast
+# tier keeps single episodes on the two session games.
 
 SEEDS = (1, 2)
 
@@ -26,6 +28,7 @@ def tw_games(tmp_path_factory):
     return make_games(tmp_path_factory.mktemp("tw_games"), SEEDS)
 
 
+@pytest.mark.slow
 class TestTextWorldConformance(SandboxConformance):
     config = TextWorldSandbox.Config()
 
@@ -91,6 +94,7 @@ def _fork_transcripts(game, prefix, branches, snapshot_mode):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("game_index", [0, 1])
 @pytest.mark.parametrize("fork_at", [0, 1, 2])
 def test_native_snapshot_equals_env_copy(tw_games, game_index, fork_at):
@@ -141,6 +145,7 @@ def test_unknown_command_is_flagged_and_max_steps_truncates(tw_games):
         assert last.done and last.info["truncated"] and last.info["invalid_action"] and last.reward == 0.0
 
 
+@pytest.mark.slow
 def test_games_are_reproducible_and_task_ids_resolve(tw_games, tmp_path):
     again = make_games(tmp_path, SEEDS[:1])
     assert again[0].read_bytes() == tw_games[0].read_bytes()

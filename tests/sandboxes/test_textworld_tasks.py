@@ -15,6 +15,7 @@ from sandbox_adapters.textworld import TextWorldSandbox, game_walkthrough, make_
 from verl_bpo.demo import textworld_tasks as tw  # noqa: E402
 
 pytestmark = pytest.mark.envs
+# `slow` (outside the fast tier): the tests on built games (a tw-make run per game).
 
 WALKTHROUGH = ["go west", "open chest", "take key from chest", "go east", "unlock door with key", "open door",
                "go north", "close door"]
@@ -78,6 +79,7 @@ def monkeypatch_module():
         yield mp
 
 
+@pytest.mark.slow
 def test_game_generation_is_deterministic_and_cached(built, tmp_path, monkeypatch):
     out, games = built
     chosen = sorted(games.glob("*.z8"))
@@ -96,6 +98,7 @@ def test_game_generation_is_deterministic_and_cached(built, tmp_path, monkeypatc
     assert tw.build_games(out) == games
 
 
+@pytest.mark.slow
 def test_task_sandbox_resets_steps_and_wins_along_the_walkthrough(built):
     out, games = built
     task = tw.with_games(tw.real_late, out)
@@ -126,6 +129,7 @@ def test_task_sandbox_resets_steps_and_wins_along_the_walkthrough(built):
         assert "$$" in plain.reset({"task_id": 0}).text
 
 
+@pytest.mark.slow
 def test_demonstration_chats_follow_the_walkthrough(built):
     out, _ = built
     for task in (tw.real_late, tw.real_early):
