@@ -224,7 +224,7 @@ def test_bpo_defaults_replace_verls_defaults_only(data):
     starts from); the verl defaults the hook compares with are verl's composed ppo_trainer."""
     verl_default = compose_stock()
     for key in stock_launch.bpo_defaults():
-        assert OmegaConf.select(verl_default, key) == OmegaConf.select(stock_launch._verl_defaults(), key), key
+        assert OmegaConf.select(verl_default, key) == OmegaConf.select(stock_launch.verl_defaults(), key), key
 
 
 def test_stock_cli_config_is_wired_for_bpo(monkeypatch, data):

@@ -32,7 +32,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 
-from verl_bpo.integration.stock_launch import _verl_defaults  # verl's flattened ppo_trainer config
+from verl_bpo.integration.stock_launch import verl_defaults
 
 __all__ = ["actor_loss"]
 
@@ -44,7 +44,7 @@ def _actor_config(loss_agg_mode: str, loss_scale_factor: int | None) -> ActorCon
     actor = {"loss_agg_mode": loss_agg_mode, "loss_scale_factor": loss_scale_factor,
              # as recipes/common.sh runs the actor; verl requires either this or a micro-batch size
              "use_dynamic_bsz": True}
-    config = OmegaConf.merge(_verl_defaults(), {"actor_rollout_ref": {"actor": actor}})
+    config = OmegaConf.merge(verl_defaults(), {"actor_rollout_ref": {"actor": actor}})
     return omega_conf_to_dataclass(config.actor_rollout_ref.actor)
 
 

@@ -36,7 +36,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["STOCK_LAUNCH_ENV", "TRAINER_ENV", "TRAINER_ENV_KEY", "CALLBACK_OVERRIDE", "StockLaunch", "hook_stock_main_ppo",
-           "stock_main_ppo_args", "prepare_stock_config"]
+           "stock_main_ppo_args", "prepare_stock_config", "verl_defaults"]
 
 STOCK_LAUNCH_ENV = "VERL_BPO_STOCK_LAUNCH"
 CALLBACK_OVERRIDE = "++hydra.callbacks.verl_bpo._target_=verl_bpo.integration.stock_launch.StockLaunch"
@@ -136,7 +136,9 @@ def bpo_defaults() -> dict[str, Any]:
 
 
 @lru_cache(maxsize=1)
-def _verl_defaults() -> DictConfig:
+def verl_defaults() -> DictConfig:
+    """verl's own defaults for every trainer key (the stock hook compares against them; actor_loss builds verl's actor
+    config from them)."""
     import verl
 
     # verl's flattened ppo_trainer, generated and kept in sync with the composed config by verl itself.
@@ -161,7 +163,7 @@ def prepare_stock_config(config: DictConfig) -> list[str]:
         current = _select(config, key)
         if key in explicit or value is None or current == value:
             continue
-        if current is not _MISSING and current == _select(_verl_defaults(), key):
+        if current is not _MISSING and current == _select(verl_defaults(), key):
             OmegaConf.update(config, key, value, force_add=True)
             changes.append(f"{key}={_select(config, key)}")
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode")
