@@ -5,7 +5,7 @@ step and through a plain in-process torch forward+backward.
 
 1. Trains the CPU demo's model and task (``verl_bpo.demo.tasks``: the tiny warm-started Qwen2, 427k parameters, on
    the late-decision corridor) through ``python -m verl_bpo.main`` with ``verl_bpo.platforms.cpu_launch``'s
-   overrides, at a fixed shape: 4 tasks x 8 leaves = 32 rows of ~300 tokens per step (``bpo.k=2``, the fixed
+   overrides, at a fixed shape: 4 tasks x 8 leaves = 32 rows of ~300 tokens per step (``bpo.fixed.k=2``, the fixed
    allocation), for ``--steps`` steps. A replay buffer subclass (``CaptureReplayBuffer`` below, through verl's
    ``trainer.v1.sampler.custom_sampler`` hook) saves every step's batch: prompt and response token ids and the
    response mask.
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model, data, data, output_dir=out / "run", n=LEAVES, batch_size=BATCH, steps=args.steps, adv_estimator="bpo",
         max_prompt_length=192, max_response_length=320, lr=1e-3,
     ) + [
-        "bpo.k=2", "bpo.max_tokens_per_turn=6", f"bpo.max_turns={task.max_turns}", f"bpo.sandbox.name={task.sandbox}",
+        "bpo.fixed.k=2", "bpo.max_tokens_per_turn=6", f"bpo.max_turns={task.max_turns}",
+        f"bpo.sandbox.name={task.sandbox}",
         *(f"+bpo.sandbox.config.{k}={v}" for k, v in task.sandbox_config.items()),
         f"trainer.v1.sampler.custom_sampler.path={Path(__file__).resolve()}",
         f"trainer.v1.sampler.custom_sampler.name={CaptureReplayBuffer.__name__}",

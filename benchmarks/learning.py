@@ -12,12 +12,12 @@ For each task and seed, every estimator trains from the same warm start on the s
 :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator registry and policy loss with the
 arguments verl's actor passes; an in-process policy and optimizer instead of vLLM and FSDP, so that several seeds fit
 on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per task
-with ``bpo.allocation=learned`` and ``bpo.budget=tokens``, up to ``--max-leaves`` leaves. Its tree's token budget is,
-by default (``--match grpo``), exactly the tokens GRPO's group generated on the same task at the same update of the
-same seed (GRPO trains first), so BPO and GRPO are matched in generated tokens per update throughout training, not
-only at the warm start; ``--match rloo`` pairs with RLOO instead, and ``--match own`` gives each tree what N flat
-rollouts of BPO's own policy would generate, learned from its earlier trees (the tokens then follow each estimator's
-policy and are matched at the warm start only). Every update has the same tasks, learning rate (the task's, or
+with ``bpo.allocation=learned`` and ``bpo.learned.budget_unit=tokens``, up to ``--max-leaves`` leaves. Its tree's
+token budget is, by default (``--match grpo``), exactly the tokens GRPO's group generated on the same task at the same
+update of the same seed (GRPO trains first), so BPO and GRPO are matched in generated tokens per update throughout
+training, not only at the warm start; ``--match rloo`` pairs with RLOO instead, and ``--match own`` gives each tree
+what N flat rollouts of BPO's own policy would generate, learned from its earlier trees (the tokens then follow each
+estimator's policy and are matched at the warm start only). Every update has the same tasks, learning rate (the task's, or
 ``--lr``) and one AdamW step (``eps`` 1e-5, ``--adam-eps``: with torch's 1e-8 single updates break the warm start's
 format for every estimator, ``benchmarks/first_updates.py``).
 
@@ -125,7 +125,7 @@ def bpo_block(task: DemoTask, estimator: str, tree: dict) -> dict:
     """The ``bpo:`` block; ``tree`` holds the BPO tree's own settings from the command line."""
     block = {"max_turns": task.max_turns, "max_tokens_per_turn": MAX_TOKENS_PER_TURN}
     if estimator == "bpo":
-        block.update(allocation="learned", budget="tokens", explore_share=0.1, **tree)
+        block.update(allocation="learned", learned={"budget_unit": "tokens", "explore_share": 0.1, **tree})
     return block
 
 
@@ -419,9 +419,9 @@ def main() -> None:
     parser.add_argument("--eval-episodes", type=int, default=2, help="episodes per held-out task per evaluation")
     parser.add_argument("--grad-draws", type=int, default=128, help="batches per estimator for the gradient variance")
     parser.add_argument("--grad-warmup", type=int, default=4, help="BPO batches that teach its profile first")
-    parser.add_argument("--max-leaves", type=int, default=MAX_LEAVES, help="bpo.max_leaves of the BPO trees")
+    parser.add_argument("--max-leaves", type=int, default=MAX_LEAVES, help="bpo.learned.max_leaves of the BPO trees")
     parser.add_argument("--bpo-warmup-trees", type=int, default=BPO_WARMUP_TREES,
-                        help="bpo.warmup_trees: BPO's first trees of exploration shape (score-free)")
+                        help="bpo.learned.warmup_trees: BPO's first trees of exploration shape (score-free)")
     parser.add_argument("--adam-eps", type=float, default=ADAM_EPS,
                         help="AdamW eps of every estimator (verl: actor.optim.override_optimizer_config.eps)")
     parser.add_argument("--lr", type=float, default=None,

@@ -63,8 +63,8 @@ def run_once(model: Path, data: Path, sandbox: str, estimator: str, out: Path, t
     overrides = cpu_launch.cpu_overrides(
         model, data, data, output_dir=out, n=N_LEAVES, batch_size=tasks, steps=1, adv_estimator=estimator,
         max_prompt_length=1024, max_response_length=1536, lr=1e-4,
-        extra=[f"bpo.max_turns={MAX_TURNS}", "bpo.max_tokens_per_turn=8", "bpo.k=2", "bpo.k0=2",
-               f"bpo.selector={selector}", "bpo.max_forks_per_wave=1",
+        extra=[f"bpo.max_turns={MAX_TURNS}", "bpo.max_tokens_per_turn=8", "bpo.fixed.k=2", "bpo.fixed.k0=2",
+               f"bpo.fixed.selector={selector}", "bpo.fixed.max_forks_per_wave=1",
                f"bpo.sandbox.name={sandbox}", "actor_rollout_ref.rollout.seed=0", "data.seed=0"],
     )
     result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main", timeout_s=1200)

@@ -12,7 +12,7 @@ i.e. the variance of the gradient averaged over a fixed budget of turns, or of t
 unbiased and on one scale, so their ratio compares like with like; GRPO's std scaling changes the gradient's scale,
 so GRPO ratios use the scale-free tr Cov(ĝ) × turns / ‖E ĝ‖².
 
-BPO here is ``bpo.allocation=learned`` with ``bpo.budget=turns`` (the turns N flat rollouts would take):
+BPO here is ``bpo.allocation=learned`` with ``bpo.learned.budget_unit=turns`` (the turns N flat rollouts would take):
 ``--warmup`` exploration trees first (not counted), then every tree counts, the ``--explore-share`` of later
 exploration trees included. The fixed rule (K0 = 2, K = 8, the quantile selector on the next-token entropy, exactly N
 leaves) is reported beside it.
@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.config import Ablation, BPOConfig, FixedAllocation, LearnedAllocation
 from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.oracle.estimates import mean_turns, sample_trees, tree_gradients
 from verl_bpo.oracle.mdp import problem
@@ -45,10 +45,11 @@ REGIMES = ("late", "early")
 
 def configs(warmup: int, explore_share: float) -> dict[str, BPOConfig]:
     return {
-        "bpo": BPOConfig(mode="tree", allocation="learned", budget="turns", max_leaves=8 * N_LEAVES,
-                         max_turns=HORIZON, warmup_trees=warmup, explore_share=explore_share),
-        "fixed": BPOConfig(mode="tree", k0=2, k=8, selector="quantile", score="next_token_entropy",
-                           max_turns=HORIZON),
+        "bpo": BPOConfig(mode="tree", allocation="learned", max_turns=HORIZON,
+                         learned=LearnedAllocation(budget_unit="turns", max_leaves=8 * N_LEAVES, warmup_trees=warmup,
+                                                   explore_share=explore_share)),
+        "fixed": BPOConfig(mode="tree", max_turns=HORIZON,
+                           fixed=FixedAllocation(k0=2, k=8, selector="quantile", score="next_token_entropy")),
         "flat": BPOConfig(mode="flat", max_turns=HORIZON),
     }
 
@@ -70,9 +71,8 @@ def measure(regime: str, name: str, config: BPOConfig, n_trees: int, burn: int, 
     codec = TabularCodec(mdp)
     out = {name: cell(tree_gradients(theta, trees, codec, config, mdp.gamma), turns, rows)}
     if name == "flat":  # the same flat groups, credited as RLOO and as GRPO
-        out = {"rloo": out["flat"], "grpo": cell(tree_gradients(
-            theta, trees, codec, BPOConfig(mode="flat", baseline="mean_incl_self", scale="group_std"), mdp.gamma),
-            turns, rows)}
+        grpo = BPOConfig(mode="flat", ablation=Ablation(mean_incl_self=True, group_std=True))
+        out = {"rloo": out["flat"], "grpo": cell(tree_gradients(theta, trees, codec, grpo, mdp.gamma), turns, rows)}
     return out
 
 

@@ -81,7 +81,7 @@ bpo_recipe() {
     # Siblings of a fork share their whole prefix; prefix caching makes the K children cost one prefill.
     actor_rollout_ref.rollout.enable_prefix_caching=True
 
-    bpo.k="$BPO_K"
+    bpo.fixed.k="$BPO_K"
     # Packed trees (each shared token trained once) need Ulysses sequence parallelism off; with SP_SIZE > 1 the
     # actor trains one row per leaf (the same gradient, more trainer tokens).
     bpo.packed="$( [ "$SP_SIZE" -gt 1 ] && echo false || echo true )"

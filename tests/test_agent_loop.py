@@ -25,7 +25,7 @@ from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.integration.agent_loop import STATE_KEY, TREE_METRICS_KEY, TREE_RECORD_KEY, BPOTreeAgentLoop
 from verl_bpo.integration.estimator import compute_bpo_advantage
 from verl_bpo.demo.tiny_model import build_tiny_model
-from verl_bpo.integration.trainer import column, rollout_states, tree_metrics
+from verl_bpo.integration.trainer import batch_tree_metrics, column, rollout_states
 from verl_bpo.core.leaf_meta import META_KEY
 
 
@@ -56,12 +56,14 @@ class FakeServer:
 
 
 def make_config(estimator="bpo", n=4, **bpo):
+    """A verl config for the agent loop; ``bpo``: fields of the ``bpo`` block (K0 = K = 2 under the fixed rule)."""
+    fixed = {} if bpo.get("allocation") == "learned" else {"fixed": {"k": 2, "k0": 2}}
     base = {
         "algorithm": {"adv_estimator": estimator, "gamma": 1.0},
         "actor_rollout_ref": {"rollout": {"prompt_length": 512, "response_length": 256, "n": n,
                                           "multi_turn": {}, "agent": {}}},
         "data": {},
-        "bpo": {"k": 2, "k0": 2, "max_turns": 5, "sandbox": {"name": "smoke", "config": {}}, **bpo},
+        "bpo": {**fixed, "max_turns": 5, "sandbox": {"name": "smoke", "config": {}}, **bpo},
     }
     return OmegaConf.create(base)
 
@@ -119,7 +121,7 @@ def test_metadata_round_trips_through_as_dict_and_the_transfer_queue_layout(toke
     extra = column(td, "extra_fields")
     assert [e[META_KEY] for e in extra] == [o.extra_fields[META_KEY] for o in outputs]
     # The trainer's side: metrics from the fetched extra fields, then the estimator on the padded batch.
-    metrics = tree_metrics(["uid-a"] * 4, extra)
+    metrics = batch_tree_metrics(["uid-a"] * 4, extra)
     assert metrics["bpo/leaves"] == 4 and "bpo/failed_leaf_rate" in metrics
     mask = torch.nn.utils.rnn.pad_sequence([f["response_mask"] for f in fields], batch_first=True).float()
     scores = torch.nn.utils.rnn.pad_sequence([f["rm_scores"] for f in fields], batch_first=True)
@@ -218,8 +220,8 @@ def test_a_rows_budget_is_its_trees_budget_and_every_trees_spend_is_logged(token
     from verl_bpo.integration.agent_loop import TREE_TASK_KEY
     from verl_bpo.integration.trainer import append_tree
 
-    config = make_config(n=4, allocation="learned", budget="tokens", max_leaves=8, warmup_trees=0,
-                         explore_share=0.0)
+    config = make_config(n=4, allocation="learned", learned={"budget_unit": "tokens", "max_leaves": 8,
+                                                            "warmup_trees": 0, "explore_share": 0.0})
     bpo = BPOConfig.from_mapping(OmegaConf.to_container(config.bpo)).for_estimator("bpo")
     extra_infos = [{"task": {"task_id": 1}, "bpo_budget": 37.0}, {"task": {"task_id": 2}}]
     states = rollout_states(ForkPolicy(bpo), 8, extra_infos, {"name": "smoke", "config": {}})
@@ -253,7 +255,8 @@ def test_flat_groups_ignore_a_rows_budget_and_log_their_task(tokenizer):
     (the tree log's per-task spend of a GRPO run)."""
     from verl_bpo.integration.agent_loop import TREE_TASK_KEY
 
-    config = make_config(estimator="grpo", n=4, allocation="learned", budget="tokens", max_leaves=8)
+    config = make_config(estimator="grpo", n=4, allocation="learned",
+                         learned={"budget_unit": "tokens", "max_leaves": 8})
     extra_info = {"task": {"task_id": 4}, "bpo_budget": 5.0}
     row = {"uid": "g", "index": 0, "extra_info": extra_info, STATE_KEY: training_state(config, 4)}
     (outputs,) = asyncio.run(_grow_rows(config, tokenizer, [row], 4))

@@ -21,7 +21,11 @@ N, T = 16, 8
 
 
 def learned(**kw) -> BPOConfig:
-    return BPOConfig(mode="tree", allocation="learned", max_turns=T, **{"max_leaves": 128, **kw})
+    """A learned allocation over T turns; ``kw`` are ``bpo.learned`` fields (128 leaves at most unless a leaf
+    budget)."""
+    if kw.get("budget_unit") != "leaves":
+        kw = {"max_leaves": 128, **kw}
+    return BPOConfig(mode="tree", allocation="learned", max_turns=T, learned=kw)
 
 
 def test_variogram_by_split_depth_on_a_hand_built_tree():
@@ -99,7 +103,7 @@ def test_turn_budget_and_leaf_cap_are_kept():
     results, _ = grow("late", config, 120)
     leaves = [len(r.leaves) for r in results[50:]]
     assert max(leaves) <= 24 and min(leaves) >= N and np.mean(leaves) > N  # capped, and more leaves than N
-    leaf_budget, _ = grow("late", learned(warmup_trees=50, explore_share=0.0, budget="leaves"), 120)
+    leaf_budget, _ = grow("late", learned(warmup_trees=50, explore_share=0.0, budget_unit="leaves"), 120)
     assert {len(r.leaves) for r in leaf_budget[50:]} == {N}  # exactly N leaves
 
 
@@ -113,7 +117,7 @@ def test_exploration_trees_have_the_fixed_shape_and_fork_depths_spread_evenly():
     assert len(roots) == 2 and max(roots) - min(roots) == 1 and min(roots) > N // 2  # stochastic rounding of R
     steps = [r.metrics["bpo/env_steps"] for r in results[64:]]
     assert 0.9 * N * T < np.mean(steps) < 1.1 * N * T  # the root paths and their forks fill the turn budget
-    leaf_budget, _ = grow("late", learned(warmup_trees=20, budget="leaves"), 20)
+    leaf_budget, _ = grow("late", learned(warmup_trees=20, budget_unit="leaves"), 20)
     assert {shape(result)["root"] for result in leaf_budget} == {N // 2}
     for result in results:
         by_root: dict[int, list] = {}
@@ -153,14 +157,15 @@ def test_an_explicit_budget_replaces_the_learned_one_and_sizes_the_shape():
     """A tree handed a budget (a paired baseline's tokens on the task) plans within it, not within N flat
     rollouts' worth; a larger budget buys a costlier shape, and exploration trees record it too."""
     results, policy = grow("late", learned(warmup_trees=200, explore_share=0.0), 200)
-    learned_budget = policy.start_tree(N, seed=0).root_budget
+    learned_budget = policy.start_tree(N, seed=0).budget.root_budget
     assert learned_budget == pytest.approx(N * policy.profile.episode_cost("turns"))
-    small, large = (policy.start_tree(N, seed=1, budget=b) for b in (0.5 * learned_budget, 2.0 * learned_budget))
-    assert isinstance(large, AllocationPlan) and (small.root_budget, large.root_budget) == (
+    small, large = (policy.start_tree(N, seed=1, root_budget=b) for b in (0.5 * learned_budget, 2.0 * learned_budget))
+    assert isinstance(large, AllocationPlan) and (small.budget.root_budget, large.budget.root_budget) == (
         0.5 * learned_budget, 2.0 * learned_budget)
-    assert small.shape.cost <= small.root_budget * (1 + 1e-9) < large.shape.cost <= large.root_budget * (1 + 1e-9)
-    explore = ForkPolicy(learned(warmup_trees=5)).start_tree(N, seed=0, budget=77.0)
-    assert isinstance(explore, ExplorePlan) and explore.root_budget == 77.0
+    assert (small.shape.cost <= small.budget.root_budget * (1 + 1e-9) < large.shape.cost
+            <= large.budget.root_budget * (1 + 1e-9))
+    explore = ForkPolicy(learned(warmup_trees=5)).start_tree(N, seed=0, root_budget=77.0)
+    assert isinstance(explore, ExplorePlan) and explore.budget.root_budget == 77.0
 
 
 def test_turn_costs_follow_the_policy_within_the_cost_window_and_the_variogram_keeps_its_memory():

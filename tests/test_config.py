@@ -15,10 +15,20 @@ from pathlib import Path
 import pytest
 import verl
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf, ValidationError
 
 import verl_bpo.integration
-from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.config import (
+    Allocation,
+    BPOConfig,
+    BudgetUnit,
+    DiscountWeighting,
+    ForkScore,
+    LearnedAllocation,
+    Mode,
+    Selector,
+)
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.integration import stock_launch
 from verl_bpo.integration.settings import AGENT_LOOPS_YAML, prepare_config, read_bpo_config, register_schema
@@ -64,13 +74,13 @@ def compose_stock(*overrides: str, config_dir: str = VERL_CONFIG_DIR, config_nam
 
 
 def test_bpo_trainer_composes_over_verls_ppo_trainer(compose_bpo):
-    cfg = compose_bpo("actor_rollout_ref.rollout.n=8", "bpo.k=4", "bpo.sandbox.name=textworld")
+    cfg = compose_bpo("actor_rollout_ref.rollout.n=8", "bpo.fixed.k=4", "bpo.sandbox.name=textworld")
     assert cfg.algorithm.adv_estimator == "bpo"
     assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "bpo_tree"
     assert cfg.actor_rollout_ref.actor.loss_agg_mode == "seq-mean-token-sum-norm"
     assert cfg.trainer.use_v1 and cfg.trainer.v1.trainer_mode == "sync"  # verl's own keys are all there
     bpo = prepare_config(cfg)
-    assert bpo.k == 4 and bpo.sandbox.name == "textworld"
+    assert bpo.fixed.k == 4 and bpo.sandbox.name == "textworld"
     assert cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(AGENT_LOOPS_YAML)
     assert bpo.for_estimator("bpo").root_width(8) == 4
 
@@ -92,13 +102,130 @@ def test_the_field_reference_lists_every_bpo_field_with_its_default():
         names, defaults = line.split("|")[1:3]
         for name, default in zip(re.findall(r"`([a-z0-9_.]+)`", names), re.findall(r"`([^`]+)`", defaults)):
             documented[name] = default
-    expected = {f.name: f.default for f in dataclasses.fields(BPOConfig) if f.name != "sandbox"}
-    expected.update({"sandbox.name": "smoke", "sandbox.config": "{}"})
+    expected = {}
+    for field in dataclasses.fields(BPOConfig):
+        if field.default_factory is dataclasses.MISSING:
+            expected[field.name] = field.default
+        else:  # a block: its fields, dotted (bpo.fixed.k)
+            block = field.default_factory()
+            expected.update({f"{field.name}.{f.name}": getattr(block, f.name) for f in dataclasses.fields(block)})
+    assert {"fixed.k", "learned.budget_unit", "ablation.epsilon", "sandbox.config"} <= set(expected)
     assert set(documented) == set(expected)
     for name, default in expected.items():
         shown = documented[name]
         assert shown == ("null" if default is None else str(default).lower() if isinstance(default, bool)
                          else str(default)), (name, shown, default)
+
+
+# --- the dataclass itself: choices, blocks the allocation ignores, ablations, the hydra schema -----------------
+
+SCORES = ["parent_turn_surprisal", "probe_surprisal", "next_token_entropy"]
+
+
+@pytest.mark.parametrize("field,value,valid", [
+    ("mode", "bogus", ["auto", "tree", "flat"]),
+    ("allocation", "bogus", ["fixed", "learned"]),
+    ("discount_weighting", "bogus", ["segment", "exact"]),
+    ("fixed.score", "bogus", SCORES),
+    ("fixed.score", "kept_turn_surprisal", SCORES),  # an ablation now (bpo.ablation.kept_turn_surprisal), not a score
+    ("fixed.selector", "bogus", ["topB_wave", "quantile"]),
+    ("learned.budget_unit", "bogus", ["leaves", "turns", "tokens"]),
+])
+def test_a_bad_choice_names_its_field_and_the_valid_values(field, value, valid):
+    block, _, name = field.rpartition(".")
+    raw = {block: {name: value}} if block else {name: value}
+    if block == "learned":
+        raw["allocation"] = "learned"
+    with pytest.raises(ValueError, match=re.escape(f"bpo.{field}={value!r} is not valid; use one of {valid}")):
+        BPOConfig.from_mapping(raw)
+
+
+def test_choices_are_enums_that_compare_and_format_as_their_values():
+    config = BPOConfig.from_mapping({"allocation": "learned", "learned": {"budget_unit": "tokens"}})
+    assert config.allocation is Allocation.learned and config.allocation == "learned"
+    assert config.learned.budget_unit is BudgetUnit.tokens and f"{config.learned.budget_unit}" == "tokens"
+    assert BPOConfig().fixed.selector is Selector.topB_wave
+    for kind in (Mode, Allocation, BudgetUnit, ForkScore, Selector, DiscountWeighting):
+        assert all(member.name == member.value for member in kind)  # hydra matches an enum override by name
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"learned": {"max_leaves": 8}},
+     "bpo.learned.max_leaves=8 is ignored under bpo.allocation=fixed; remove it or set bpo.allocation=learned"),
+    ({"learned": {"budget_unit": "tokens"}},
+     "bpo.learned.budget_unit=tokens is ignored under bpo.allocation=fixed; remove it or set bpo.allocation=learned"),
+    ({"learned": {"warmup_trees": 0}},
+     "bpo.learned.warmup_trees=0 is ignored under bpo.allocation=fixed; remove it or set bpo.allocation=learned"),
+    ({"allocation": "learned", "fixed": {"k": 3}},
+     "bpo.fixed.k=3 is ignored under bpo.allocation=learned; remove it or set bpo.allocation=fixed"),
+    ({"allocation": "learned", "fixed": {"selector": "quantile"}},
+     "bpo.fixed.selector=quantile is ignored under bpo.allocation=learned; remove it or set bpo.allocation=fixed"),
+    ({"allocation": "learned", "ablation": {"kept_turn_surprisal": True}},
+     "bpo.ablation.kept_turn_surprisal=true is ignored under bpo.allocation=learned"),
+    ({"ablation": {"kept_turn_surprisal": True}, "fixed": {"score": "probe_surprisal"}},
+     "bpo.fixed.score=probe_surprisal is ignored under bpo.ablation.kept_turn_surprisal=true"),
+    ({"ablation": {"epsilon": 0.01}},
+     "bpo.ablation.epsilon=0.01 is ignored without bpo.ablation.group_std=true"),
+    ({"allocation": "learned", "learned": {"budget_unit": "leaves", "max_leaves": 8}},
+     "bpo.learned.max_leaves=8 is ignored under bpo.learned.budget_unit=leaves"),
+])
+def test_a_field_the_run_would_ignore_is_refused(raw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        BPOConfig.from_mapping(raw)
+
+
+def test_each_block_reads_under_its_own_allocation():
+    fixed = BPOConfig.from_mapping({"mode": "tree", "fixed": {"k": 3, "k0": 4}, "ablation": {
+        "kept_turn_surprisal": True, "mean_incl_self": True, "group_std": True, "epsilon": 0.0}})
+    assert fixed.root_width(8) == 4 and fixed.leaf_cap(8) == 8 and fixed.anticipating and not fixed.is_flat(8)
+    learned = BPOConfig.from_mapping({"mode": "tree", "allocation": "learned",
+                                      "learned": {"budget_unit": "tokens", "max_leaves": 16}})
+    assert learned.leaf_cap(8) == 16 and learned.root_width(8) == 2 and not learned.anticipating
+    assert BPOConfig(mode="tree", allocation="learned").leaf_cap(8) == 32  # turns by default, 4 x N leaves
+    assert BPOConfig(mode="tree", allocation="learned", learned={"budget_unit": "leaves"}).leaf_cap(8) == 8
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"fixed": {"k": 1}}, "bpo.fixed.k=1 must be >= 2"),
+    ({"fixed": {"k0": 0}}, "bpo.fixed.k0=0 must be >= 1 (or null for bpo.fixed.k)"),
+    ({"fixed": {"probe_tokens": 0}}, "bpo.fixed.probe_tokens=0 must be >= 1"),
+    ({"allocation": "learned", "learned": {"explore_share": 1.5}}, "bpo.learned.explore_share=1.5 must be in [0, 1]"),
+    ({"allocation": "learned", "learned": {"max_leaves": 1}}, "bpo.learned.max_leaves=1 must be >= 2"),
+    ({"allocation": "learned", "learned": {"cost_window": 0}}, "bpo.learned.cost_window=0 must be >= 1"),
+    ({"ablation": {"group_std": True, "epsilon": -1.0}}, "bpo.ablation.epsilon=-1.0 must be >= 0"),
+    ({"max_forks_per_path": 0}, "bpo.max_forks_per_path=0 must be >= 1 (or null for no cap)"),
+    ({"learned": {"kk": 1}}, "unknown bpo.learned key(s) ['kk']; valid keys: ['budget_unit', 'cost_window',"),
+    ({"ablation": {"baseline": "loo"}}, "unknown bpo.ablation key(s) ['baseline']; valid keys: ['epsilon',"),
+    ({"sandbox": {"nme": "smoke"}}, "unknown bpo.sandbox key(s) ['nme']; valid keys: ['config', 'name']"),
+    ({"budget": "turns"}, "unknown bpo config key(s) ['budget']; valid keys: ['ablation', 'allocation',"),
+])
+def test_range_checks_and_unknown_keys_name_the_dotted_field(raw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        BPOConfig.from_mapping(raw)
+
+
+def schema_with(*overrides: str):
+    """The registered ``bpo: schema`` node with hydra-style dotted ``overrides`` merged in (what composing does)."""
+    schema = ConfigStore.instance().load("bpo/schema.yaml").node
+    return OmegaConf.merge(schema, OmegaConf.from_dotlist(list(overrides)))
+
+
+@pytest.mark.parametrize("override,valid", [("allocation=bogus", "fixed, learned"),
+                                            ("fixed.selector=bogus", "topB_wave, quantile"),
+                                            ("learned.budget_unit=bogus", "leaves, turns, tokens")])
+def test_the_hydra_schema_refuses_a_value_outside_the_enum(override, valid):
+    with pytest.raises(ValidationError, match=re.escape(f"Invalid value 'bogus', expected one of [{valid}]")):
+        schema_with(override)
+
+
+def test_the_hydra_schema_takes_nested_choices_into_the_dataclass():
+    node = schema_with("allocation=learned", "learned.budget_unit=tokens", "learned.max_leaves=16")
+    config = read_bpo_config(node)
+    assert config.allocation is Allocation.learned and config.learned.budget_unit is BudgetUnit.tokens
+    assert config.learned.max_leaves == 16 and config == BPOConfig(
+        allocation="learned", learned=LearnedAllocation(budget_unit="tokens", max_leaves=16))
+    with pytest.raises(ValueError, match=r"bpo\.learned\.budget_unit=tokens is ignored under bpo\.allocation=fixed"):
+        read_bpo_config(schema_with("learned.budget_unit=tokens"))
 
 
 def test_grpo_baseline_gets_flat_groups_under_auto(compose_bpo):
@@ -117,7 +244,8 @@ def fast_tier(cases: list, keep: int) -> list:
 
 BAD_SETTINGS = [
     (["actor_rollout_ref.rollout.n=1"], r"actor_rollout_ref\.rollout\.n=1 is the number of leaves"),
-    (["actor_rollout_ref.rollout.n=4", "bpo.k0=9"], r"bpo\.k0=9 exceeds actor_rollout_ref\.rollout\.n=4.*bpo\.k0 <= 4"),
+    (["actor_rollout_ref.rollout.n=4", "bpo.fixed.k0=9"],
+     r"bpo\.fixed\.k0=9 exceeds actor_rollout_ref\.rollout\.n=4.*bpo\.fixed\.k0 <= 4"),
     (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.loss_agg_mode=token-mean"],
      "loss_agg_mode=token-mean reweights"),
     (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"],
@@ -134,7 +262,10 @@ BAD_SETTINGS = [
     (["actor_rollout_ref.rollout.n=4", "+bpo.sandbox.config.unknown_key=1"],
      r"bpo\.sandbox\.config: unknown key\(s\) \['unknown_key'\] for sandbox 'smoke'; valid keys"),
     (["actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=bpoo"], "Unknown advantage estimator"),
-    (["actor_rollout_ref.rollout.n=4", "bpo.score=vibes"], "bpo.score='vibes' is not valid"),
+    (["actor_rollout_ref.rollout.n=4", "bpo.learned.max_leaves=8"],
+     r"bpo\.learned\.max_leaves=8 is ignored under bpo\.allocation=fixed; remove it or set bpo\.allocation=learned"),
+    (["actor_rollout_ref.rollout.n=4", "+bpo.fixed.kk=2"],
+     r"unknown bpo\.fixed key\(s\) \['kk'\]; valid keys: \['k', 'k0',"),
     (["actor_rollout_ref.rollout.n=4", "data.train_files=/nonexistent/train.parquet"],
      r"data\.train_files=/nonexistent/train\.parquet does not exist .*point data\.train_files at the file"),
     (["actor_rollout_ref.rollout.n=4", "data.val_files=[/nonexistent/val.parquet]"],
@@ -228,7 +359,7 @@ def test_bpo_defaults_replace_verls_defaults_only(data):
 
 
 def test_stock_cli_config_is_wired_for_bpo(monkeypatch, data):
-    cfg = compose_stock("algorithm.adv_estimator=bpo", "actor_rollout_ref.rollout.n=4", "+bpo.k=2",
+    cfg = compose_stock("algorithm.adv_estimator=bpo", "actor_rollout_ref.rollout.n=4", "+bpo.fixed.k=2",
                         "data.max_response_length=96", ONE_MINIBATCH, *data_overrides(data))
     stock_launch.StockLaunch().on_run_start(cfg)
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
@@ -237,7 +368,7 @@ def test_stock_cli_config_is_wired_for_bpo(monkeypatch, data):
     assert rollout.calculate_log_probs and rollout.agent.default_agent_loop == "bpo_tree"
     assert rollout.agent.agent_loop_config_path == str(AGENT_LOOPS_YAML)
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_BPO_TRAINER == "1"
-    assert read_bpo_config(cfg.bpo).k == 2
+    assert read_bpo_config(cfg.bpo).fixed.k == 2
 
 
 def test_the_trainer_mode_name_builds_bpo_trainer_in_sync_mode():
@@ -287,7 +418,8 @@ actor_rollout_ref:
   rollout:
     n: 4
 bpo:
-  k: 2
+  fixed:
+    k: 2
   step_timeout_s: {timeout}
   sandbox:
     name: {sandbox}
@@ -424,7 +556,7 @@ def budget(value):
     return edit
 
 
-LEARNED_TOKENS = ("bpo.allocation=learned", "bpo.budget=tokens")
+LEARNED_TOKENS = ("bpo.allocation=learned", "bpo.learned.budget_unit=tokens")
 
 
 @pytest.mark.parametrize(
@@ -502,9 +634,10 @@ def pd_read(path):
 
 
 MORE_BAD_SETTINGS = [
-    (["bpo.score=next_token_entropy"],
-     r"bpo\.score=next_token_entropy needs .* verl's vLLM/SGLang servers .*bpo\.score=parent_turn_surprisal"),
-    (["algorithm.adv_estimator=grpo", "bpo.score=next_token_entropy"], r"bpo\.score=next_token_entropy"),
+    (["bpo.fixed.score=next_token_entropy"],
+     r"bpo\.fixed\.score=next_token_entropy needs .* verl's vLLM/SGLang servers "
+     r".*bpo\.fixed\.score=parent_turn_surprisal"),
+    (["algorithm.adv_estimator=grpo", "bpo.fixed.score=next_token_entropy"], r"bpo\.fixed\.score=next_token_entropy"),
     (["algorithm.gamma=0"], r"algorithm\.gamma=0 .*set it in \(0, 1\]"),
     (["algorithm.gamma=1.5"], r"algorithm\.gamma=1\.5"),
     (["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive"],

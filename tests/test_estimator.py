@@ -39,7 +39,7 @@ def test_T1_flat_tree_equals_verl_rloo(seed):
 @pytest.mark.parametrize("seed", range(5))
 def test_T1_flat_tree_with_mean_incl_self_and_std_equals_verl_grpo(seed):
     batch = leaf_batch(np.random.default_rng(seed), n_trees=4, n_leaves=6, flat=True, per_turn_rewards=False)
-    ours, _ = run_bpo(batch, bpo_config={"baseline": "mean_incl_self", "scale": "group_std"})
+    ours, _ = run_bpo(batch, bpo_config={"ablation": {"mean_incl_self": True, "group_std": True}})
     theirs, _ = compute_grpo_outcome_advantage(batch.token_level_rewards.clone(), batch.response_mask,
                                                index=batch.uids, norm_adv_by_std_in_grpo=True)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)

@@ -80,7 +80,7 @@ def fault_case(fault_prob: float, step_retries: int | None = None) -> Case:
     under-filled), with transient faults instead of the tabular sandbox's permanent failures."""
     retries = {} if step_retries is None else {"step_retries": step_retries}
     return Case(f"faults-{fault_prob:g}-retries-{step_retries}", "random", {"seed": 1, "stop_prob": 0.4},
-                {"mode": "tree", "k": 2, "k0": 2, "max_turns": 3, **retries}, n=9,
+                {"mode": "tree", "fixed": {"k": 2, "k0": 2}, "max_turns": 3, **retries}, n=9,
                 sandbox="fake_flaky_tabular", sandbox_config={"fault_prob": fault_prob})
 
 

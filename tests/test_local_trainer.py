@@ -15,7 +15,8 @@ from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 from verl_bpo.demo.tiny_model import build_tiny_model
 
 SMOKE = {"length": 3, "max_steps": 4}
-BPO = {"k": 2, "k0": 2, "max_turns": 3, "max_tokens_per_turn": 4}
+PATHS = {"max_turns": 3, "max_tokens_per_turn": 4}
+BPO = {**PATHS, "fixed": {"k": 2, "k0": 2}}
 # `slow` (outside the fast tier): the tests that generate and train more than one step; the fast tier keeps one
 # step and the cheap checks.
 
@@ -157,8 +158,8 @@ def learning_benchmark():
 @pytest.mark.slow
 def test_a_step_gives_each_tasks_tree_the_budget_it_is_handed(model_dir):
     """The learning benchmark matches BPO's tokens per update to a baseline's by handing each tree a budget."""
-    trainer = make_trainer(model_dir, bpo={**BPO, "allocation": "learned", "budget": "tokens", "warmup_trees": 0,
-                                           "explore_share": 0.0, "k0": None})
+    trainer = make_trainer(model_dir, bpo={**PATHS, "allocation": "learned", "learned": {
+        "budget_unit": "tokens", "warmup_trees": 0, "explore_share": 0.0}})
     results = trainer.rollout([{"task_id": 0}, {"task_id": 1}], budgets=[20.0, 45.0])
     assert [r.metrics["bpo/budget"] for r in results] == [20.0, 45.0]
     stats = trainer.step([{"task_id": 0}, {"task_id": 1}], budgets=[30.0, 30.0])

@@ -50,26 +50,28 @@ CASES = {
     # Episodes stop early (stop_prob) and steps crash (fail_prob): trees are under-filled and carry failed leaves.
     "gamma1-topB-failures": Case(
         "gamma1-topB-failures", "random", {"seed": 1, "stop_prob": 0.4},
-        {"mode": "tree", "k": 2, "k0": 2, "max_turns": 3, "step_retries": 0}, n=9, fail_prob=0.05),
+        {"mode": "tree", "fixed": {"k": 2, "k0": 2}, "max_turns": 3, "step_retries": 0}, n=9, fail_prob=0.05),
     "gamma0.9-quantile-probe-failures": Case(
         "gamma0.9-quantile-probe-failures", "random", {"seed": 2, "stop_prob": 0.3, "gamma": 0.9},
-        {"mode": "tree", "k": 2, "k0": 2, "max_turns": 3, "selector": "quantile", "score": "probe_surprisal",
-         "probe_tokens": 1, "discount_weighting": "exact", "step_retries": 0},
+        {"mode": "tree", "fixed": {"k": 2, "k0": 2, "selector": "quantile", "score": "probe_surprisal",
+                                   "probe_tokens": 1},
+         "max_turns": 3, "discount_weighting": "exact", "step_retries": 0},
         fail_prob=0.05, gamma=0.9, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=64),
     "unbalanced-failures": Case(
         "unbalanced-failures", "random", {"seed": 1, "stop_prob": 0.3, "horizon": 4},
-        {"mode": "tree", "k": 2, "k0": 2, "max_turns": 4, "step_retries": 0}, n=12, fail_prob=0.05),
+        {"mode": "tree", "fixed": {"k": 2, "k0": 2}, "max_turns": 4, "step_retries": 0}, n=12, fail_prob=0.05),
     # The learned allocation under a turn budget: widths from the profile, trees with more leaves than rollout.n
     # (one agent-loop session per leaf, up to max_leaves), exploration trees, budgets shared when paths end early.
     "learned-turn-budget-failures": Case(
         "learned-turn-budget-failures", "random", {"seed": 1, "stop_prob": 0.3, "horizon": 4},
-        {"mode": "tree", "allocation": "learned", "budget": "turns", "max_leaves": 16, "max_turns": 4,
-         "warmup_trees": 64, "explore_share": 0.2, "step_retries": 0},
+        {"mode": "tree", "allocation": "learned", "max_turns": 4, "step_retries": 0,
+         "learned": {"budget_unit": "turns", "max_leaves": 16, "warmup_trees": 64, "explore_share": 0.2}},
         n=6, sessions=16, fail_prob=0.05),
     # A node's own kept turn decides its fork, on an MDP where rare (surprising) actions fail.
     "posthoc": Case(
         "posthoc", "rare_actions_fail", {"seed": 0, "horizon": 4, "uncertain_bad_state": False},
-        {"mode": "tree", "k": 2, "k0": 2, "max_turns": 4, "max_forks_per_wave": 1, "score": "kept_turn_surprisal"},
+        {"mode": "tree", "fixed": {"k": 2, "k0": 2, "max_forks_per_wave": 1}, "max_turns": 4,
+         "ablation": {"kept_turn_surprisal": True}},
         n=8),
 }
 
@@ -169,7 +171,8 @@ def test_production_gradient_is_unbiased_and_its_negative_control_is_caught(name
 
 @pytest.mark.slow
 def test_the_posthoc_fork_score_is_caught(tokenizer):
-    """The ablation ``score=kept_turn_surprisal`` (fork after seeing the node's own turn) through the same path."""
+    """The ablation ``bpo.ablation.kept_turn_surprisal`` (fork after seeing the node's own turn) through the same
+    path."""
     case = CASES["posthoc"]
     z = np.abs(z_scores(run_case(case, tokenizer, TREES, seed=7)[0], case.exact())).max()
     print(f"posthoc: {TREES} trees, max |z| = {z:.2f}")

@@ -124,7 +124,7 @@ def test_recipe_composes_validates_and_resolves_to_its_components(script, recipe
     assert rollout.agent.agent_loop_config_path == str(AGENT_LOOPS_YAML)
     assert actor.loss_agg_mode == "seq-mean-token-sum-norm"
     assert actor.loss_scale_factor == cfg.data.max_response_length
-    assert bpo.mode == "auto" and bpo.k == 2 and bpo.max_turns == BENCHMARKS[benchmark]
+    assert bpo.mode == "auto" and bpo.fixed.k == 2 and bpo.max_turns == BENCHMARKS[benchmark]
     assert bpo.sandbox.name == benchmark
     assert rollout.n == 8 and rollout.name == "vllm" and rollout.enable_prefix_caching
     resolved = bpo.for_estimator(estimator)
@@ -172,14 +172,14 @@ def test_the_two_models_share_every_setting_but_the_model(benchmark):
 
 def test_environment_and_extra_overrides_reach_the_command(tmp_path):
     script = RECIPES / "alfworld" / "run_bpo_qwen2.5-7b.sh"
-    overrides = overrides_of(script, "trainer.total_training_steps=3", "bpo.k=4",
+    overrides = overrides_of(script, "trainer.total_training_steps=3", "bpo.fixed.k=4",
                              MODEL_PATH="/models/qwen", DATA_DIR=str(tmp_path), N_GPUS_PER_NODE="4")
-    assert overrides[-2:] == ["trainer.total_training_steps=3", "bpo.k=4"]  # "$@" last, so it wins
+    assert overrides[-2:] == ["trainer.total_training_steps=3", "bpo.fixed.k=4"]  # "$@" last, so it wins
     cfg = compose_recipe(overrides)
     assert cfg.actor_rollout_ref.model.path == "/models/qwen"
     assert cfg.data.train_files == str(tmp_path / "train.parquet")
     assert cfg.data.val_files == str(tmp_path / "val.parquet")
-    assert cfg.trainer.n_gpus_per_node == 4 and cfg.trainer.total_training_steps == 3 and cfg.bpo.k == 4
+    assert cfg.trainer.n_gpus_per_node == 4 and cfg.trainer.total_training_steps == 3 and cfg.bpo.fixed.k == 4
     command = dry_run(script, PYTHON="/opt/py/bin/python")
     assert command[:3] == ["/opt/py/bin/python", "-m", "verl_bpo.main"]
 
@@ -357,7 +357,7 @@ def test_the_cpu_demo_runs_compose_and_differ_only_in_the_estimator(tmp_path):
     cfg = compose_run("bpo")
     bpo = prepare_config(cfg)
     assert cfg.actor_rollout_ref.rollout.n == settings.n_leaves and cfg.data.train_batch_size == settings.batch_size
-    assert bpo.allocation == "learned" and bpo.budget == "tokens" and bpo.tree_log.endswith("trees.jsonl")
+    assert bpo.allocation == "learned" and bpo.learned.budget_unit == "tokens" and bpo.tree_log.endswith("trees.jsonl")
     assert bpo.sandbox.name == demo.TASK.sandbox and dict(bpo.sandbox.config) == dict(demo.TASK.sandbox_config)
     assert cfg.trainer.test_freq > 0 and cfg.data.val_files.endswith("val.parquet")  # held-out evaluation
     # Both runs train with the learning benchmark's AdamW eps: with torch's 1e-8 one early update can break the warm

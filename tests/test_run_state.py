@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.test_agent_loop import FakeServer, make_config, make_loop, tokenizer  # noqa: F401  (fixture)
-from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.config import BPOConfig, LearnedAllocation
 from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.core.profile import TreeRecord
 from verl_bpo.integration import trainer as trainer_module
@@ -30,13 +30,14 @@ from verl_bpo.integration.agent_loop import (
 from verl_bpo.integration.trainer import (
     STATE_FILE,
     BPOTrainer,
+    batch_tree_metrics,
     check_reset_failures,
     learn_from_batch,
     rollout_states,
-    tree_metrics,
 )
 
-LEARNED = {"allocation": "learned", "budget": "turns", "max_leaves": 8, "warmup_trees": 4, "explore_share": 0.0}
+LEARNED = {"allocation": "learned",
+           "learned": {"budget_unit": "turns", "max_leaves": 8, "warmup_trees": 4, "explore_share": 0.0}}
 
 
 def bpo_config(config) -> BPOConfig:
@@ -143,7 +144,8 @@ def test_each_row_carries_the_state_with_its_own_tasks_cost_only():
 def test_a_task_seen_before_is_budgeted_on_its_own_episode_cost():
     """N flat rollouts of this task: N times the task's last measured episode, scaled by the sandbox's drift since;
     a task not seen yet gets the sandbox's average episode."""
-    config = BPOConfig(mode="tree", allocation="learned", budget="tokens", max_turns=4, warmup_trees=0)
+    config = BPOConfig(mode="tree", allocation="learned", max_turns=4,
+                       learned=LearnedAllocation(budget_unit="tokens", warmup_trees=0))
     policy = ForkPolicy(config)
     long_task = TreeRecord([(0, 1, 2, 3)], [1.0], [1.0], {}, {1: 10.0, 2: 10.0, 3: 10.0}, plan="learned",
                            task_key="long")
@@ -153,12 +155,12 @@ def test_a_task_seen_before_is_budgeted_on_its_own_episode_cost():
     average = policy.profile.episode_cost("tokens")
     assert long_task.episode_cost("tokens") == 30.0 and short_task.episode_cost("tokens") == 2.0
     short = policy.start_tree(4, seed=1, task_key="short")
-    assert short.budget_source == "task" and short.root_budget == pytest.approx(4 * 2.0)  # no drift since
+    assert short.budget_source == "task" and short.budget.root_budget == pytest.approx(4 * 2.0)  # no drift since
     long = policy.start_tree(4, seed=1, task_key="long")
     drift = average / policy.task_costs["long"]["sandbox_tokens"]  # the sandbox average moved since "long"
-    assert long.budget_source == "task" and long.root_budget == pytest.approx(4 * 30.0 * drift)
+    assert long.budget_source == "task" and long.budget.root_budget == pytest.approx(4 * 30.0 * drift)
     unseen = policy.start_tree(4, seed=1, task_key="new")
-    assert unseen.budget_source == "sandbox" and unseen.root_budget == pytest.approx(4 * average)
+    assert unseen.budget_source == "sandbox" and unseen.budget.root_budget == pytest.approx(4 * average)
     assert unseen.metrics()["bpo/budget_from_task"] == 0.0 and short.metrics()["bpo/budget_from_task"] == 1.0
 
 
@@ -180,7 +182,7 @@ def test_validation_never_reads_or_feeds_the_state(tokenizer, planned_states):  
 def test_sessions_that_arrive_in_any_order_still_share_one_tree(tokenizer):  # noqa: F811
     """The tree's session count comes from the trainer's state, not from who registered before the tree started:
     sessions started in shuffled order, with awaits between, all get their leaf of one tree."""
-    config = make_config(n=4, k0=2)
+    config = make_config(n=4)
     run = ForkPolicy(bpo_config(config))
     grown, _ = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["r-0", "r-1"], [1, 2], run, 4), 4,
                                               seed=5, stagger_s=0.01))
@@ -195,7 +197,7 @@ def test_sessions_that_arrive_in_any_order_still_share_one_tree(tokenizer):  # n
 def test_request_ids_are_unique_per_generation_where_the_engine_sees_them(tokenizer, full_determinism):  # noqa: F811
     """verl hands the engine a fresh id per turn unless rollout.full_determinism=True, where it passes ours through
     (concurrent requests with one id collide in the engine): then every generation gets its own id."""
-    config = make_config(n=4, k0=2)
+    config = make_config(n=4)
     config.actor_rollout_ref.rollout.full_determinism = full_determinism
     run = ForkPolicy(bpo_config(config))
     _, server = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["q-0"], [1], run, 4), 4))
@@ -213,7 +215,7 @@ def test_the_metrics_log_one_profile(tokenizer):  # noqa: F811
     run = ForkPolicy(bpo_config(config))
     grown, _ = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["m-0"], [1], run), 8))
     uids, extras = batch_fields(grown)
-    assert not any(k.startswith("bpo/profile/") for k in tree_metrics(uids, extras))
+    assert not any(k.startswith("bpo/profile/") for k in batch_tree_metrics(uids, extras))
     learn_from_batch(run, uids, extras)
     assert run.metrics()["bpo/profile/trees_learned"] == 1.0 and "bpo/profile/survival/d0" in run.metrics()
 
@@ -224,7 +226,8 @@ class _Trainer(BPOTrainer):
     def __init__(self, folder, warmup):  # noqa: D107  (skips verl's __init__, which starts workers)
         self.config = OmegaConf.create({"trainer": {"default_local_dir": str(folder), "resume_mode": "auto",
                                                     "resume_from_path": None}})
-        self.fork_policy = ForkPolicy(BPOConfig(mode="tree", **{**LEARNED, "warmup_trees": warmup}))
+        self.fork_policy = ForkPolicy(BPOConfig(
+            mode="tree", allocation="learned", learned={**LEARNED["learned"], "warmup_trees": warmup}))
         self.global_steps = 0
 
 

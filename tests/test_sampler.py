@@ -35,19 +35,19 @@ from verl_bpo.rollout.sampler import TreeSampler
 TASK = {"task_id": 3}
 
 
-def tree(n_leaves=8, **kw):
-    """The ``bpo`` settings of a tree of ``n_leaves`` leaves (``mode=tree``), and N."""
-    return BPOConfig(mode="tree", **{"max_turns": 6, **kw}), n_leaves
+def tree(rollout_n=8, **kw):
+    """The ``bpo`` settings of a tree for N = ``rollout_n`` (``mode=tree``), and N."""
+    return BPOConfig(mode="tree", **{"max_turns": 6, **kw}), rollout_n
 
 
-def flat(n_leaves, **kw):
-    return BPOConfig(mode="flat", **{"max_turns": 6, **kw}), n_leaves
+def flat(rollout_n, **kw):
+    return BPOConfig(mode="flat", **{"max_turns": 6, **kw}), rollout_n
 
 
 def grow(shape, sandbox_cls=CountingSmoke, seed=0, response_length=256, policy=None):
-    config, n_leaves = shape
+    config, rollout_n = shape
     llm = ScriptedLLM(seed)
-    sampler = TreeSampler(config, n_leaves, response_length, lambda: sandbox_cls(), TASK, llm, WordCodec(),
+    sampler = TreeSampler(config, rollout_n, response_length, lambda: sandbox_cls(), TASK, llm, WordCodec(),
                           tree_id="uid-1", seed=seed, policy=policy)
     return asyncio.run(sampler.run()), llm
 
@@ -62,7 +62,7 @@ def leaf_rows(result):
 
 @pytest.mark.parametrize("k,k0", [(2, 2), (3, 2), (2, 4)])
 def test_tree_has_exactly_n_leaves_sharing_prefixes(k, k0):
-    result, llm = grow(tree(8, k=k, k0=k0))
+    result, llm = grow(tree(8, fixed={"k": k, "k0": k0}))
     assert len(result.leaves) == 8
     rows = leaf_rows(result)  # the estimator's own validation: unique nodes, masses match the forks
     forest = rows.forest
@@ -90,7 +90,7 @@ def test_flat_mode_is_n_independent_rollouts():
 
 
 def test_a_tree_shares_turns_so_it_costs_fewer_env_steps_than_flat():
-    grown, _ = grow(tree(8, k=2, k0=2))
+    grown, _ = grow(tree(8, fixed={"k": 2, "k0": 2}))
     flat_group, _ = grow(flat(8))
     assert grown.metrics["bpo/env_steps"] < flat_group.metrics["bpo/env_steps"]
     assert grown.metrics["bpo/generated_tokens"] < flat_group.metrics["bpo/generated_tokens"]
@@ -98,7 +98,7 @@ def test_a_tree_shares_turns_so_it_costs_fewer_env_steps_than_flat():
 
 
 def test_estimator_gives_nonzero_advantages_on_a_sampled_tree():
-    result, _ = grow(tree(8, k=2, k0=2, max_turns=8), seed=3)
+    result, _ = grow(tree(8, fixed={"k": 2, "k0": 2}, max_turns=8), seed=3)
     length = max(len(leaf.transcript.response_mask) for leaf in result.leaves)
     mask = torch.zeros(len(result.leaves), length)
     rewards = torch.zeros_like(mask)
@@ -114,7 +114,7 @@ def test_estimator_gives_nonzero_advantages_on_a_sampled_tree():
 
 
 def test_crashed_branches_become_failed_leaves_and_the_tree_completes():
-    result, _ = grow(tree(8, k=2, k0=2, step_retries=0), sandbox_cls=CrashingSmoke, seed=1)  # no retries
+    result, _ = grow(tree(8, fixed={"k": 2, "k0": 2}, step_retries=0), sandbox_cls=CrashingSmoke, seed=1)  # no retries
     failed = [leaf for leaf in result.leaves if leaf.failed]
     assert len(result.leaves) == 8 and failed
     assert all(leaf.reward == 0 and leaf.meta.failed and "injected crash" in leaf.error for leaf in failed)
@@ -124,14 +124,14 @@ def test_crashed_branches_become_failed_leaves_and_the_tree_completes():
 
 
 def test_a_hanging_step_times_out_into_a_failed_leaf():
-    result, _ = grow(tree(4, k=2, k0=2, step_timeout_s=0.3, max_turns=4), sandbox_cls=HangingSmoke)
+    result, _ = grow(tree(4, fixed={"k": 2, "k0": 2}, step_timeout_s=0.3, max_turns=4), sandbox_cls=HangingSmoke)
     assert all(leaf.failed and "SandboxTimeout" in leaf.error for leaf in result.leaves)
     assert len(result.leaves) == 4
 
 
 def test_failed_restores_shrink_the_fork_but_keep_masses_right():
     UnrestorableSmoke.calls = 0
-    result, _ = grow(tree(8, k=3, k0=3), sandbox_cls=UnrestorableSmoke)
+    result, _ = grow(tree(8, fixed={"k": 3, "k0": 3}), sandbox_cls=UnrestorableSmoke)
     rows = leaf_rows(result)
     assert np.isclose(rows.forest.masses()[rows.forest.is_leaf].sum(), 1.0)
     assert UnrestorableSmoke.calls >= 2  # restores failed ...
@@ -140,7 +140,7 @@ def test_failed_restores_shrink_the_fork_but_keep_masses_right():
 
 def test_a_failed_reset_is_retried_on_a_fresh_sandbox():
     UnstartableSmoke.failures, UnstartableSmoke.resets = 1, 0
-    result, _ = grow(tree(4, k=2, k0=2), sandbox_cls=UnstartableSmoke)
+    result, _ = grow(tree(4, fixed={"k": 2, "k0": 2}), sandbox_cls=UnstartableSmoke)
     assert len(result.leaves) == 4 and not any(leaf.failed for leaf in result.leaves)
     assert result.metrics["bpo/reset_failures"] == 0
     assert CountingSmoke.live == 0
@@ -149,7 +149,7 @@ def test_a_failed_reset_is_retried_on_a_fresh_sandbox():
 def test_a_tree_that_cannot_start_gives_n_failed_leaves_with_zero_advantage():
     """verl stops the step when a uid group has no trajectories, so a dead reset must still fill the group."""
     UnstartableSmoke.failures, UnstartableSmoke.resets = 10, 0
-    result, _ = grow(tree(4, k=2, k0=2), sandbox_cls=UnstartableSmoke)
+    result, _ = grow(tree(4, fixed={"k": 2, "k0": 2}), sandbox_cls=UnstartableSmoke)
     assert len(result.leaves) == 4 and all(leaf.failed and "injected reset failure" in leaf.error
                                            for leaf in result.leaves)
     assert UnstartableSmoke.resets == TreeSampler.RESET_ATTEMPTS
@@ -162,25 +162,25 @@ def test_a_tree_that_cannot_start_gives_n_failed_leaves_with_zero_advantage():
 
 
 def test_posthoc_score_is_flagged_and_still_runs():
-    result, _ = grow(tree(6, k=2, k0=2, score="kept_turn_surprisal"))
+    result, _ = grow(tree(6, fixed={"k": 2, "k0": 2}, ablation={"kept_turn_surprisal": True}))
     assert len(result.leaves) == 6
 
 
 def test_next_token_entropy_needs_a_capable_client():
     with pytest.raises(ValueError, match="probe_surprisal"):
-        TreeSampler(BPOConfig(mode="tree", score="next_token_entropy"), 8, 256, CountingSmoke, TASK,
+        TreeSampler(BPOConfig(mode="tree", fixed={"score": "next_token_entropy"}), 8, 256, CountingSmoke, TASK,
                     ScriptedLLM(), WordCodec(), tree_id="t")
 
 
 def test_probe_score_spends_extra_generations():
-    result, llm = grow(tree(6, k=2, k0=2, score="probe_surprisal", probe_tokens=2))
+    result, llm = grow(tree(6, fixed={"k": 2, "k0": 2, "score": "probe_surprisal", "probe_tokens": 2}))
     assert len(result.leaves) == 6
     assert len(llm.request_ids) > result.metrics["bpo/env_steps"]  # probes are discarded generations
     assert result.metrics["bpo/generated_tokens"] > result.metrics["bpo/env_steps"] * 2  # and count as compute
 
 
 def test_credit_on_sampled_trees_is_finite():
-    result, _ = grow(tree(8, k=2, k0=2), seed=5)
+    result, _ = grow(tree(8, fixed={"k": 2, "k0": 2}), seed=5)
     credit = compute_credit(leaf_rows(result).forest)
     assert np.all(np.isfinite(credit.advantage))
 
@@ -199,7 +199,7 @@ def test_success_rate_counts_won_leaves():
             ids = [WORD_ID[w] for w in self.plan[min(turn, len(self.plan) - 1)].split()] + [WORD_ID["<eos>"]]
             return Generation(ids, [-0.1] * len(ids))
 
-    config = BPOConfig(mode="tree", k=2, k0=2, max_turns=8)
+    config = BPOConfig(mode="tree", fixed={"k": 2, "k0": 2}, max_turns=8)
     result = asyncio.run(TreeSampler(config, 4, 512, CountingSmoke, TASK, Solver(), WordCodec(), tree_id="s").run())
     assert result.metrics["bpo/success_rate"] == 1.0 and all(leaf.won for leaf in result.leaves)
     assert result.metrics["bpo/leaf_return"] == 1.0
@@ -215,7 +215,7 @@ def test_a_failed_leaf_keeps_shared_prefix_rewards_consistent():
 
     CrashingSmoke.rng.seed(3)
     for seed in range(4):
-        result, _ = grow(tree(8, k=2, k0=2), sandbox_cls=ShapedCrashingSmoke, seed=seed)
+        result, _ = grow(tree(8, fixed={"k": 2, "k0": 2}), sandbox_cls=ShapedCrashingSmoke, seed=seed)
         leaf_rows(result)  # raises on inconsistent shared rewards
         assert all(leaf.reward == sum(leaf.meta.turn_rewards) for leaf in result.leaves)
 
@@ -228,7 +228,7 @@ def test_concurrent_trees_on_a_thread_unsafe_engine_do_not_crash(tmp_path):
     from sandbox_adapters.textworld import TextWorldSandbox, make_games
 
     game = make_games(tmp_path, [0])[0]
-    config = BPOConfig(mode="tree", k=2, k0=2, max_turns=3)
+    config = BPOConfig(mode="tree", fixed={"k": 2, "k0": 2}, max_turns=3)
 
     async def trees():
         samplers = [TreeSampler(config, 4, 4096, lambda: TextWorldSandbox(TextWorldSandbox.Config(max_steps=3)),
@@ -247,8 +247,8 @@ class RecordingPolicy(ForkPolicy):
         super().__init__(config)
         self.llm, self.decided_at, self.declared = llm, {}, {}
 
-    def start_tree(self, n_leaves, seed=0, budget=None, task_key=None):
-        plan = super().start_tree(n_leaves, seed, budget, task_key)
+    def start_tree(self, rollout_n, seed=0, root_budget=None, task_key=None):
+        plan = super().start_tree(rollout_n, seed, root_budget, task_key)
         self.decided_at, self.declared = {}, {}  # per tree: node ids and histories repeat across trees
         self.root_width = plan.root_width
         eligible, widths = plan.eligible, plan.widths
@@ -277,9 +277,12 @@ def test_T8_no_child_is_drawn_before_its_nodes_fork_decision(rule, anticipates):
     node's fork decision; the posthoc ablation, which draws the kept turn first, is caught by the same check.
     The root forks into its planned K0 and every branch node has the width its plan declared."""
     if rule == "learned":
-        config = BPOConfig(mode="tree", allocation="learned", max_turns=6, warmup_trees=5, explore_share=0.2)
+        config = BPOConfig(mode="tree", allocation="learned", max_turns=6,
+                           learned={"warmup_trees": 5, "explore_share": 0.2})
+    elif rule == "kept_turn_surprisal":
+        config = BPOConfig(mode="tree", fixed={"k": 2, "k0": 3}, max_turns=6, ablation={"kept_turn_surprisal": True})
     else:
-        config = BPOConfig(mode="tree", k=2, k0=3, max_turns=6, score=rule)
+        config = BPOConfig(mode="tree", fixed={"k": 2, "k0": 3, "score": rule}, max_turns=6)
     llm = ScriptedLLM(0)
     llm.prompts = []
     generate = llm.generate
@@ -316,7 +319,7 @@ def test_a_crashed_turn_is_masked_out_of_the_loss_by_default(mask_failed):
     """An infrastructure fault is not a negative sample for what the model said: the failing turn's tokens get
     mask 0 (bpo.mask_failed_turns, default); the leaf keeps its earlier turns, its rewards and its mass."""
     CrashingSmoke.rng.seed(1)
-    result, _ = grow(tree(8, k=2, k0=2, mask_failed_turns=mask_failed), sandbox_cls=CrashingSmoke, seed=1)
+    result, _ = grow(tree(8, fixed={"k": 2, "k0": 2}, mask_failed_turns=mask_failed), sandbox_cls=CrashingSmoke, seed=1)
     failed = [leaf for leaf in result.leaves if leaf.failed]
     assert failed
     for leaf in failed:
@@ -373,9 +376,9 @@ def test_every_tree_draws_its_own_root_transitions():
 
 
 @pytest.mark.parametrize("shape", [
-    dict(selector="quantile", k=2),
-    dict(allocation="learned", budget="turns", warmup_trees=4, max_leaves=6),
-    dict(allocation="learned", budget="leaves", warmup_trees=100),
+    dict(fixed={"selector": "quantile", "k": 2}),
+    dict(allocation="learned", learned={"budget_unit": "turns", "warmup_trees": 4, "max_leaves": 6}),
+    dict(allocation="learned", learned={"budget_unit": "leaves", "warmup_trees": 100}),
 ])
 def test_branches_deciding_while_a_fork_restores_stay_within_the_budget(shape):
     """Branches grow at their own pace, so one decides while another's snapshot is still being taken on a worker
@@ -439,7 +442,7 @@ def test_a_crashed_step_is_retried_with_the_same_text_from_the_state_before_it(s
     retries = 0
     for seed in range(4):
         # Replayed steps crash too (the filesystem route replays up to 5): 16 retries make a failed leaf rare.
-        result, _ = grow(tree(8, k=2, k0=2, step_retries=16), sandbox_cls=sandbox_cls, seed=seed)
+        result, _ = grow(tree(8, fixed={"k": 2, "k0": 2}, step_retries=16), sandbox_cls=sandbox_cls, seed=seed)
         assert len(result.leaves) == 8 and not any(leaf.failed for leaf in result.leaves)
         leaf_rows(result)  # a valid tree
         retries += result.metrics["bpo/step_retries"]
@@ -459,7 +462,7 @@ def test_a_crashed_step_is_retried_with_the_same_text_from_the_state_before_it(s
 def test_a_step_that_fails_every_retry_ends_its_leaf_and_closes_what_recovery_made(sandbox_cls, monkeypatch):
     monkeypatch.setattr(FlakyAfterStepSmoke, "crash_prob", 1.0)
     FlakyAfterStepSmoke.open_snapshots = 0
-    result, _ = grow(tree(4, k=2, k0=2, step_retries=2), sandbox_cls=sandbox_cls)
+    result, _ = grow(tree(4, fixed={"k": 2, "k0": 2}, step_retries=2), sandbox_cls=sandbox_cls)
     # Both root branches fail their first step on every attempt: two failed leaves, two retries each.
     assert len(result.leaves) == 2 and all(leaf.failed and "injected crash" in leaf.error for leaf in result.leaves)
     assert result.metrics["bpo/failed_leaves"] == 2 and result.metrics["bpo/step_retries"] == 4
@@ -481,7 +484,7 @@ class HangOnceSmoke(CountingSmoke):
 
 def test_a_hanging_step_is_retried_on_a_fresh_sandbox():
     HangOnceSmoke.hung = False
-    result, _ = grow(tree(4, k=2, k0=2, step_timeout_s=0.3, max_turns=4), sandbox_cls=HangOnceSmoke)
+    result, _ = grow(tree(4, fixed={"k": 2, "k0": 2}, step_timeout_s=0.3, max_turns=4), sandbox_cls=HangOnceSmoke)
     assert HangOnceSmoke.hung and not any(leaf.failed for leaf in result.leaves)
     assert result.metrics["bpo/step_retries"] == 1
     deadline = time.monotonic() + 3  # the hung sandbox is closed on a thread of its own, without waiting

@@ -84,7 +84,7 @@ def test_the_search_keeps_limits_and_budget_and_never_loses_to_flat():
     rng = np.random.default_rng(0)
     for _ in range(20):
         injected, mass = rng.exponential(size=6) * (rng.random(6) < 0.5), rng.random(6)
-        shape = best_shape(candidates, injected, mass, per_sample, budget=48.0, n_leaves=8)
+        shape = best_shape(candidates, injected, mass, per_sample, budget=48.0, rollout_n=8)
         assert shape.cost <= 48.0 + 1e-9 and shape.variance <= shape.flat_variance
         assert shape_cost(shape.widths[None], per_sample)[0] == pytest.approx(shape.cost)
     first = np.array([1.0, 0, 0, 0, 0, 0])

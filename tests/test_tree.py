@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.trees import random_tree_paths
-from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.config import Ablation, BPOConfig
 from verl_bpo.core.tree import Forest, compute_credit, paint_spans
 
 # Root 0 forks into 1, 2 (K0 = 2). Node 1 is a chain node: 1 -> 3, and 3 forks into 4, 5, 6 (K = 3).
@@ -57,9 +57,9 @@ def test_exact_discount_weighting_scales_by_gamma_to_the_fork_depth():
 
 def test_mean_incl_self_and_group_std():
     forest = Forest(np.array(PARENT), np.array(REWARD))
-    incl = compute_credit(forest, BPOConfig(baseline="mean_incl_self"))
+    incl = compute_credit(forest, BPOConfig(ablation=Ablation(mean_incl_self=True)))
     np.testing.assert_allclose(incl.advantage[[4, 5, 6]], [1 - 1 / 3, -1 / 3, -1 / 3])
-    std = compute_credit(forest, BPOConfig(baseline="mean_incl_self", scale="group_std", epsilon=0.0))
+    std = compute_credit(forest, BPOConfig(ablation=Ablation(mean_incl_self=True, group_std=True, epsilon=0.0)))
     sd = np.std([1.0, 0.0, 0.0], ddof=1)
     np.testing.assert_allclose(std.advantage[[4, 5, 6]], np.array([2 / 3, -1 / 3, -1 / 3]) / sd)
 

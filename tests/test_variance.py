@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.config import BPOConfig, FixedAllocation, LearnedAllocation
 from verl_bpo.core.leaf_meta import build_leaf_rows
 from verl_bpo.core.tree import compute_credit
 from verl_bpo.oracle.estimates import mean_turns, sample_trees, tree_gradients
@@ -29,12 +29,14 @@ from verl_bpo.oracle.policy import TabularCodec
 pytestmark = pytest.mark.slow
 
 N = 16
-BPO = BPOConfig(mode="tree", k=8, k0=2, selector="quantile", score="next_token_entropy", max_turns=8)
+BPO = BPOConfig(mode="tree", max_turns=8,
+                fixed=FixedAllocation(k=8, k0=2, selector="quantile", score="next_token_entropy"))
 FLAT = BPOConfig(mode="flat", max_turns=8)
 
 
-LEARNED = BPOConfig(mode="tree", allocation="learned", budget="turns", max_leaves=8 * N, max_turns=8,
-                    warmup_trees=300, explore_share=0.02)
+LEARNED = BPOConfig(mode="tree", allocation="learned", max_turns=8,
+                    learned=LearnedAllocation(budget_unit="turns", max_leaves=8 * N, warmup_trees=300,
+                                              explore_share=0.02))
 
 
 def turns_matched_variance(name: str, config: BPOConfig, n_trees: int = 2500, seed: int = 0, burn: int = 0) -> float:
@@ -64,7 +66,7 @@ def test_T6_early_variance_regime_the_fixed_rule_is_not_better():
 def test_T6_conditional_inequality_for_decisions_at_depth_one_and_below():
     """E[(Q̂ − V(s0))²] = E[(Q̂ − V(h_u))²] + E[(V(h_u) − V(s0))²]: centring a turn's return on its own decision
     state never leaves more than centring on the start state, and strictly less where values differ."""
-    config = BPOConfig(mode="tree", k=2, k0=2, max_turns=4)
+    config = BPOConfig(mode="tree", max_turns=4, fixed=FixedAllocation(k=2, k0=2))
     for seed in range(3):
         args = {"seed": seed, "horizon": 4}
         mdp, theta = problem("random", **args)

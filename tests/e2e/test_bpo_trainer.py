@@ -47,7 +47,7 @@ def run(setup, estimator: str, *bpo: str, label: str | None = None):
     overrides = cpu_launch.cpu_overrides(
         model, data, data, output_dir=out, n=N, batch_size=4, steps=2, adv_estimator=estimator,
         max_prompt_length=192, max_response_length=256, lr=1e-3,
-        extra=["bpo.max_turns=4", "bpo.max_tokens_per_turn=6", "bpo.k=2", "bpo.k0=2",
+        extra=["bpo.max_turns=4", "bpo.max_tokens_per_turn=6", "bpo.fixed.k=2", "bpo.fixed.k0=2",
                "bpo.sandbox.name=smoke", *(f"+bpo.sandbox.config.{k}={v}" for k, v in SMOKE.items()), *bpo],
     )
     result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main",
@@ -111,7 +111,8 @@ def test_a_turn_budget_tree_brings_every_leaf_into_verls_batch(late_setup):
     A second run resumes from step 2's checkpoint and continues with the saved state: no second warm-up."""
     root, model, data = late_setup
     base = [f"bpo.max_turns={LATE.max_turns}", "bpo.max_tokens_per_turn=6", "bpo.allocation=learned",
-            "bpo.budget=turns", f"bpo.max_leaves={3 * N}", "bpo.warmup_trees=4", "bpo.explore_share=0.0",
+            "bpo.learned.budget_unit=turns", f"bpo.learned.max_leaves={3 * N}", "bpo.learned.warmup_trees=4",
+            "bpo.learned.explore_share=0.0",
             f"bpo.sandbox.name={LATE.sandbox}",
             *(f"+bpo.sandbox.config.{k}={v}" for k, v in LATE.sandbox_config.items()),
             "actor_rollout_ref.rollout.agent.num_workers=2", "trainer.save_freq=2",

@@ -29,7 +29,8 @@ pytestmark = [
 N = 4
 SMOKE = {"length": 3, "max_steps": 4, "key_reward": 0.5}
 TASKS = [{"task_id": i} for i in range(8)]
-BPO = {"max_turns": 4, "max_tokens_per_turn": 6, "k": 2, "k0": 2}
+BPO = {"max_turns": 4, "max_tokens_per_turn": 6}
+FIXED = {"k": 2, "k0": 2}
 HOOK_LINE = "verl-bpo: algorithm.adv_estimator=bpo through verl's main_ppo"
 
 YAML = f"""\
@@ -44,6 +45,8 @@ algorithm:
   adv_estimator: bpo
 bpo:
 {chr(10).join(f"  {k}: {v}" for k, v in BPO.items())}
+  fixed:
+{chr(10).join(f"    {k}: {v}" for k, v in FIXED.items())}
   sandbox:
     name: smoke
     config:
@@ -93,7 +96,8 @@ def assert_bpo_trained(result):
 
 def test_stock_main_ppo_trains_bpo_from_the_command_line(setup):
     root, model, named, _ = setup
-    extra = [*(f"+bpo.{k}={v}" for k, v in BPO.items()), "+bpo.sandbox.name=smoke",
+    extra = [*(f"+bpo.{k}={v}" for k, v in BPO.items()), *(f"+bpo.fixed.{k}={v}" for k, v in FIXED.items()),
+             "+bpo.sandbox.name=smoke",
              *(f"+bpo.sandbox.config.{k}={v}" for k, v in SMOKE.items())]
     assert_bpo_trained(train(root, "cli", model, named, adv_estimator="bpo", extra=extra))
 

@@ -397,7 +397,7 @@ class SandboxConformance:
             sandbox.step(self.probe_actions()[0])
 
     def test_hang_fails_the_leaf_and_the_next_tree_proceeds(self) -> None:
-        from verl_bpo.core.config import BPOConfig
+        from verl_bpo.core.config import BPOConfig, FixedAllocation
         from verl_bpo.rollout.sampler import TreeSampler
         from verl_bpo.rollout.sandbox_calls import hung_engine
 
@@ -408,8 +408,8 @@ class SandboxConformance:
             pytest.skip("blocking = False: the adapter's calls run on the event loop and cannot hang by contract")
         turns = [*self.prefix_actions(), *self.probe_actions()]
         # step_retries=0: the hung step ends its leaf at once (a retry would rebuild it on a sandbox that does not hang)
-        config = BPOConfig(mode="tree", k=2, k0=2, max_turns=len(turns), step_timeout_s=self.sampler_step_timeout_s,
-                           step_retries=0)
+        config = BPOConfig(mode="tree", max_turns=len(turns), step_timeout_s=self.sampler_step_timeout_s,
+                           step_retries=0, fixed=FixedAllocation(k=2, k0=2))
         release = threading.Event()
         made: list[Sandbox] = []
 

@@ -17,7 +17,7 @@ from sandbox_adapters.alfworld import ALFWorldSandbox, game_walkthrough, resolve
 from sandbox_adapters.base import Observation, SandboxTimeout
 from sandbox_adapters.smoke import SmokeSandbox
 from tests.sandboxes.conformance import CharCodec, ScriptedTurns
-from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.config import BPOConfig, FixedAllocation
 from verl_bpo.rollout import engine_pool, sandbox_calls
 from verl_bpo.rollout.engine_pool import EnginePool
 from verl_bpo.rollout.sampler import TreeSampler
@@ -282,7 +282,8 @@ def engines(monkeypatch):
 
 def _grow(trees, make, task=None, turns=("look",), **config):
     """Grow ``trees`` trees at once on one event loop (one agent-loop worker); their results and the wall time."""
-    config = BPOConfig(mode="tree", k=2, k0=2, **{"max_turns": 4, "step_timeout_s": 10.0, **config})
+    config = BPOConfig(mode="tree", fixed=FixedAllocation(k=2, k0=2), **{"max_turns": 4, "step_timeout_s": 10.0,
+                                                                          **config})
 
     async def run():
         samplers = [TreeSampler(config, 4, 1 << 20, make, task or {"task_id": 0}, ScriptedTurns(list(turns)),

@@ -1,4 +1,4 @@
-"""Where a tree forks and how wide: the non-anticipating fork rule, its limits, the budgets, and the plans.
+"""Where a tree forks and how wide: the non-anticipating fork rule, its limits, the tree's budget, and the plans.
 
 **Invariant (non-anticipation).** Whether node v forks, and into how many children, may depend only on what is
 known before v's children are sampled: v's own history and budget, discarded probes, other subtrees, earlier
@@ -16,28 +16,39 @@ Objects, from the longest-lived down:
   It learns only from finished trees' :class:`~verl_bpo.core.profile.TreeRecord` and its state is plain data
   (:meth:`ForkPolicy.state_dict`), so a run keeps exactly one: verl's trainer learns it from every tree of a step,
   whichever worker grew it, checkpoints it, and hands it to every worker with the next step's tasks.
-* A *plan*, one per tree, made by :meth:`ForkPolicy.start_tree`, read by the tree sampler:
+* A :class:`Plan`, one per tree, made by :meth:`ForkPolicy.start_tree`: the tree sampler asks it which candidate
+  nodes fork and how wide (:meth:`Plan.eligible`, :meth:`Plan.widths`) and keeps the tree's spending in its
+  :class:`TreeBudget` (:attr:`Plan.budget`). Three plans implement it:
 
   - :class:`FixedPlan` (``bpo.allocation=fixed``): a root fork of K0, then forks of K within exactly N leaves,
     placed by a selector on a fork score. ``topB_wave`` ranks a wave's candidates and forks the best within the
-    budget and ``max_forks_per_wave``; ``quantile`` forks a candidate whose score reaches τ, the (1 − ρ) quantile of
-    the previous finished tree's candidate scores (ρ = forks the budget allows / candidates seen; τ = −∞ at first).
-  - :class:`AllocationPlan` (``learned``): every node holds a budget (turns, tokens, or leaves) and takes the width
-    of the shape that, under the learned profile, gives the least leave-one-out gradient variance within the
-    budget (:mod:`verl_bpo.core.shape`); a task decided by its first move gets the flat shape K0 = N (RLOO, which
-    under the model it cannot do worse than).
+    leaves left and ``max_forks_per_wave``; ``quantile`` forks a candidate whose score reaches τ, the (1 − ρ)
+    quantile of the previous finished tree's candidate scores (ρ = forks the leaves allow / candidates seen;
+    τ = −∞ at first).
+  - :class:`AllocationPlan` (``learned``): every node takes the width of the shape that, under the learned
+    profile, gives the least leave-one-out gradient variance within the amount it holds (:mod:`verl_bpo.core.shape`);
+    a task decided by its first move gets the flat shape K0 = N (RLOO, which under the model it cannot do worse
+    than).
   - :class:`ExplorePlan` (``learned``, warm-up and ``explore_share``): enough root paths to fill the budget on
     average (N/2 under a leaf budget), each forking once into 2 at a depth drawn uniformly, independent of any
     score; its leaf pairs teach the profile where outcomes split.
 
-Budgets flow down the tree: a fork splits its node's budget among its children, a turn spends its cost, and what a
-path leaves unspent when its episode ends is shared among the branches still running (the shape of a subtree may
-depend on other subtrees, never on its own children). Limits (AEPO-style, arXiv:2510.14545): ``min_depth``,
-``max_forks_per_path``, ``cooldown`` turns after a fork, and at least one turn of horizon left.
+**The budget.** A tree's :class:`TreeBudget` counts one unit: ``leaves`` (the fixed rule, exactly N, and
+``bpo.learned.budget_unit=leaves``), ``turns`` or ``tokens``. The root holds the tree's amount (``root_budget``)
+and amounts flow down the tree: a fork splits its node's amount among its branches, a turn spends its cost, and
+what a path leaves unspent when its episode ends goes to a pool that the branches still running share as they
+reach their next node (the shape of a subtree may depend on other subtrees, never on its own children).
+Separately, the leaf cap bounds the branches (N leaves under ``leaves``, ``bpo.learned.max_leaves`` otherwise): a
+fork's new leaves count against it when the fork is decided. The fixed rule places its forks by the leaves left
+under the cap, tree-wide (its amounts only keep the account); the learned allocation by the amount each node
+holds. Limits (AEPO-style,
+arXiv:2510.14545): ``min_depth``, ``max_forks_per_path``, ``cooldown`` turns after a fork, and at least one turn of
+horizon left.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import random
@@ -49,7 +60,8 @@ from verl_bpo.core.config import BPOConfig
 from verl_bpo.core.profile import DepthProfile, TreeRecord
 from verl_bpo.core.shape import MAX_SEARCH_FORKS, best_shape, candidate_widths
 
-__all__ = ["NodeView", "is_eligible", "ForkBudget", "FixedPlan", "AllocationPlan", "ExplorePlan", "ForkPolicy"]
+__all__ = ["NodeView", "is_eligible", "TreeBudget", "Plan", "FixedPlan", "AllocationPlan", "ExplorePlan",
+           "ForkPolicy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +76,7 @@ class NodeView:
         forks_on_path: forks on the path from the root to here, the root fork excluded.
         turns_since_fork: turns since the last fork on this path (the root counts as a fork).
         horizon_left: turns the path may still take (``bpo.max_turns`` minus depth).
-        budget: what the node's subtree may still spend (``learned`` plans; ``None`` for the fixed rule).
+        budget: the amount the node's subtree may still spend, in the tree's :attr:`TreeBudget.unit`.
     """
 
     node_id: int
@@ -74,7 +86,7 @@ class NodeView:
     forks_on_path: int
     turns_since_fork: int
     horizon_left: int
-    budget: float | None = None
+    budget: float
 
 
 def is_eligible(view: NodeView, config: BPOConfig) -> bool:
@@ -88,82 +100,140 @@ def is_eligible(view: NodeView, config: BPOConfig) -> bool:
     return view.horizon_left >= 1
 
 
-class ForkBudget:
-    """Leaves still to be created: N − K0 after the root fork; a fork with K children uses K − 1."""
+def _deal(total: float, parts: int) -> list[float]:
+    """``total`` rounded to whole leaves, dealt into ``parts`` as evenly as they go (the first parts get one more)."""
+    whole = int(round(total))
+    return [float(whole // parts + (i < whole % parts)) for i in range(parts)]
 
-    def __init__(self, n_leaves: int, root_width: int) -> None:
-        self.leaves_left = n_leaves - root_width
 
-    def spend(self, children: int) -> None:
-        if not 2 <= children <= self.leaves_left + 1:
+class TreeBudget:
+    """What one tree may spend, in one unit, and where it is (module docstring, "The budget").
+
+    Args:
+        unit: ``leaves``, ``turns`` or ``tokens``.
+        root_budget: the root's amount: what the whole tree may spend.
+        leaf_cap: the most leaves the tree may grow (the sessions verl runs for the task).
+
+    Attributes:
+        leaves: branches made, and reserved by forks decided but not yet made (1: the root path alone).
+        pool: what ended branches left unspent, not yet shared among the branches still running. Under
+            ``leaves`` a fork whose node holds fewer leaves than it made branches (the fixed rule forks by the cap,
+            not by amounts) takes the rest from it, so it may dip below 0 until branches end.
+        spent: turns or tokens spent so far (``leaves``: a leaf is spent by the branch that ends as it, so 0).
+    """
+
+    def __init__(self, unit: str, root_budget: float, leaf_cap: int) -> None:
+        self.unit, self.root_budget, self.leaf_cap = unit, float(root_budget), leaf_cap
+        self.leaves = 1
+        self.pool = 0.0
+        self.spent = 0.0
+
+    @property
+    def leaves_left(self) -> int:
+        """Leaves the cap still allows."""
+        return self.leaf_cap - self.leaves
+
+    def reserve(self, children: int) -> None:
+        """A fork of ``children`` branches (the original included) is decided: its new leaves count against the cap
+        now, so branches that decide while it is still restoring stay within the cap."""
+        if not 1 <= children <= self.leaves_left + 1:
             raise ValueError(f"a fork of {children} children does not fit the {self.leaves_left} leaves left")
-        self.leaves_left -= children - 1
+        self.leaves += children - 1
 
-    def refund(self, leaves: int) -> None:
-        self.leaves_left += leaves
+    def on_fork(self, amount: float, planned: int, made: int) -> list[float]:
+        """The amounts of a fork's ``made`` branches (the original first), from its node's ``amount``. The fork was
+        reserved as ``planned``; fewer are made when snapshots or restores fail, and the rest return to the cap."""
+        self.leaves -= planned - made
+        if self.unit != "leaves":
+            return [amount / made] * made
+        short = made - int(round(amount))  # every branch holds at least the leaf it will end as
+        if short > 0:
+            self.pool -= short
+            amount += short
+        return _deal(amount, made)
+
+    def on_node(self, amount: float, running: int) -> float:
+        """The amount of a branch about to decide at its next node: its own, and its share of the pool among the
+        ``running`` branches."""
+        if self.pool <= 0:
+            return amount
+        extra = _deal(self.pool, running)[0] if self.unit == "leaves" else self.pool / running
+        self.pool -= extra
+        return amount + extra
+
+    def on_turn(self, amount: float, tokens: int) -> float:
+        """A branch's amount after a turn that generated ``tokens``: less the turn's cost (1 turn, ``tokens``
+        tokens, no leaves)."""
+        cost = {"leaves": 0.0, "turns": 1.0, "tokens": float(tokens)}[self.unit]
+        self.spent += cost
+        return amount - cost
+
+    def on_leaf_end(self, amount: float) -> None:
+        """A branch ended holding ``amount``: what it did not spend (beyond its own leaf) goes to the pool."""
+        self.pool += max(amount - (1.0 if self.unit == "leaves" else 0.0), 0.0)
 
 
-class _Plan:
-    """What every plan offers the sampler (budgets are ``None`` when a plan keeps none)."""
+class Plan(abc.ABC):
+    """One tree's plan: all the tree sampler asks and tells about the tree's shape.
 
-    kind = "fixed"  # TreeRecord.plan: which plan grew the tree
-    unit = "leaves"  # what budgets count: leaves, turns or tokens
-    uses_scores = True  # the sampler scores candidates only for plans that read the scores
-    waves = False  # the plan ranks a whole wave's candidates, so the tree must grow in waves
-    explore = False
+    The sampler asks :meth:`eligible` of every node a branch reaches, scores the eligible ones when
+    :attr:`uses_scores`, and asks :meth:`widths` for their widths (grown in waves when :attr:`waves`); it forks the
+    root into :attr:`root_width` and keeps every branch's amount in :attr:`budget` (:class:`TreeBudget`). When the
+    tree is done, :meth:`completed` fills in its record and :meth:`metrics` gives the plan's ``bpo/...`` metrics.
 
-    def __init__(self, config: BPOConfig, n_leaves: int) -> None:
-        self.config, self.n_leaves = config, n_leaves
-        self.scores: list[float] = []
-        self.root_width = config.root_width(n_leaves)
-        self.root_budget: float | None = None
+    Attributes:
+        kind: which plan grew the tree (:attr:`TreeRecord.plan`).
+        rollout_n: N, verl's ``actor_rollout_ref.rollout.n``: the flat rollouts the tree stands for.
+        root_width: K0, the root fork's children (reserved in :attr:`budget`).
+        budget: the tree's budget.
+        uses_scores: the plan reads fork scores (the sampler computes them only then).
+        waves: the plan ranks a whole wave's candidates, so the tree must grow in waves.
+    """
+
+    kind: str
+    root_width: int
+    budget: TreeBudget
+    uses_scores: bool
+    waves: bool
+
+    def __init__(self, config: BPOConfig, rollout_n: int) -> None:
+        self.config, self.rollout_n = config, rollout_n
 
     def eligible(self, view: NodeView) -> bool:
+        """Whether the node is a fork candidate (:func:`is_eligible`)."""
         return is_eligible(view, self.config)
 
-    def split(self, budget: float | None, branches: int) -> list[float | None]:
-        """The budgets of a fork's ``branches`` (the original included)."""
-        return [None] * branches
+    @abc.abstractmethod
+    def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
+        """Children for each eligible candidate (1 = no fork), its score alongside; a fork's new leaves are reserved
+        in :attr:`budget` now. Reads only the candidates' views and scores."""
 
-    def spend(self, budget: float | None, cost: float) -> float | None:
-        """A branch's budget after a turn of ``cost``."""
-        return budget
+    def completed(self, record: TreeRecord) -> TreeRecord:
+        """``record`` of the finished tree, with what the plan knows of it."""
+        return dataclasses.replace(record, plan=self.kind, rollout_n=self.rollout_n, score_free=not self.uses_scores)
 
-    def release(self, budget: float | None) -> None:
-        """A branch ended holding ``budget``."""
-
-    def share(self, budgets: Sequence[float | None], running: int | None = None) -> list[float | None]:
-        """``budgets`` of some of the ``running`` branches (default: all of them), with their share of what ended
-        branches left unspent."""
-        return list(budgets)
-
-    def fork_made(self, planned: int, made: int) -> None:
-        """A fork :meth:`widths` sized ``planned`` (which reserved its leaves then) got ``made`` branches, the
-        original included: fewer when snapshots or restores failed, and the leaves not made return to the budget.
-        Reserving at the decision keeps branches that decide while another fork is still restoring within it."""
-
-    @property
-    def leaves_left(self) -> float:
-        return 0.0
-
+    @abc.abstractmethod
     def metrics(self) -> dict[str, float]:
-        return {}
+        """The plan's ``bpo/...`` metrics of the finished tree."""
 
 
-class FixedPlan(_Plan):
-    """The fixed rule: a root fork of K0, then forks of K placed by the selector within exactly N leaves."""
+class FixedPlan(Plan):
+    """The fixed rule: a root fork of K0, then forks of K placed by the selector within exactly N leaves (a
+    ``leaves`` budget whose cap is N)."""
 
-    def __init__(self, config: BPOConfig, n_leaves: int, threshold: float) -> None:
-        super().__init__(config, n_leaves)
-        self.kind = "flat" if config.is_flat(n_leaves) else "fixed"
-        self.waves = config.selector == "topB_wave" and not config.is_flat(n_leaves)
-        self.budget = ForkBudget(n_leaves, self.root_width)
-        self.forks_wanted = math.ceil(self.budget.leaves_left / (config.k - 1))  # forks of K the budget allows
+    uses_scores = True
+
+    def __init__(self, config: BPOConfig, rollout_n: int, threshold: float) -> None:
+        super().__init__(config, rollout_n)
+        flat = config.is_flat(rollout_n)
+        self.kind = "flat" if flat else "fixed"
+        self.waves = config.fixed.selector == "topB_wave" and not flat
+        self.root_width = config.root_width(rollout_n)
+        self.budget = TreeBudget("leaves", rollout_n, config.leaf_cap(rollout_n))
+        self.budget.reserve(self.root_width)
+        self.forks_wanted = math.ceil(self.budget.leaves_left / (config.fixed.k - 1))  # forks of K the leaves allow
         self.threshold = threshold  # quantile's τ, fixed for the tree when it starts
-
-    @property
-    def leaves_left(self) -> float:
-        return float(self.budget.leaves_left)
+        self.scores: list[float] = []  # every candidate's score, for the next tree's τ
 
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         """Children for each of a wave's eligible candidates (1 = no fork), within the leaves left.
@@ -171,101 +241,69 @@ class FixedPlan(_Plan):
         Only the candidates' own scores are read, and every width is decided before any child is drawn.
         """
         self.scores.extend(scores)
-        k = self.config.k
+        k = self.config.fixed.k
         widths = [1] * len(scores)
-        if self.config.selector == "topB_wave":
+        if self.config.fixed.selector == "topB_wave":
             order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable: ties keep arrival order
-            cap = self.config.max_forks_per_wave
+            cap = self.config.fixed.max_forks_per_wave
         else:
             order = [i for i, s in enumerate(scores) if s >= self.threshold]
             cap = None
         for i in order:
-            if self.budget.leaves_left <= 0 or (cap is not None and sum(w > 1 for w in widths) >= cap):
+            left = self.budget.leaves_left
+            if left <= 0 or (cap is not None and sum(w > 1 for w in widths) >= cap):
                 break
-            widths[i] = min(k, self.budget.leaves_left + 1)
-            self.budget.spend(widths[i])
+            widths[i] = min(k, left + 1)
+            self.budget.reserve(widths[i])
         return widths
 
-    def fork_made(self, planned: int, made: int) -> None:
-        self.budget.refund(planned - made)
+    def completed(self, record: TreeRecord) -> TreeRecord:
+        return dataclasses.replace(super().completed(record), fork_scores=tuple(self.scores),
+                                   forks_wanted=self.forks_wanted)
+
+    def metrics(self) -> dict[str, float]:
+        if not self.scores:
+            return {}
+        return {"bpo/score_mean": sum(self.scores) / len(self.scores), "bpo/score_max": max(self.scores)}
 
 
-class _BudgetedPlan(_Plan):
-    """Budget bookkeeping shared by the learned plans: per-branch budgets, a pool of what ended branches left,
-    and the leaf cap (the sessions verl runs for the task)."""
+class _LearnedPlan(Plan):
+    """What the learned plans share: a budget in ``bpo.learned.budget_unit`` whose root amount is given, or N flat
+    rollouts' worth under the profile; the leaf cap of ``bpo.learned.max_leaves``; and the tree's randomness."""
 
     uses_scores = False
+    waves = False
 
-    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random,
-                 budget: float | None = None, budget_source: str = "given") -> None:
-        super().__init__(config, n_leaves)
-        self.unit = config.budget
-        self.budget_source = "sandbox" if budget is None else budget_source
+    def __init__(self, config: BPOConfig, rollout_n: int, profile: DepthProfile, rng: random.Random,
+                 root_budget: float | None = None, budget_source: str = "given") -> None:
+        super().__init__(config, rollout_n)
+        unit = str(config.learned.budget_unit)
+        if root_budget is None:
+            root_budget = rollout_n * (1.0 if unit == "leaves" else profile.episode_cost(unit))
+            budget_source = "sandbox"
+        self.budget = TreeBudget(unit, root_budget, config.leaf_cap(rollout_n))
+        self.budget_source = budget_source  # given, task (its own episode cost) or sandbox (the sandbox average)
         self.rng = rng
-        self.cap = config.leaf_cap(n_leaves)
-        self.per_rollout = 1.0 if self.unit == "leaves" else profile.episode_cost(self.unit)
-        self.root_budget = n_leaves * self.per_rollout if budget is None else float(budget)
-        self.pool = 0.0
-        self.branches = 0
-        self.spent = 0.0
-
-    def split(self, budget: float | None, branches: int) -> list[float | None]:
-        if self.unit != "leaves":
-            return [budget / branches] * branches
-        whole = int(round(budget))
-        return [float(whole // branches + (i < whole % branches)) for i in range(branches)]
-
-    def spend(self, budget: float | None, cost: float) -> float | None:
-        if self.unit == "leaves":
-            return budget
-        self.spent += cost
-        return budget - cost
-
-    def release(self, budget: float | None) -> None:
-        self.pool += max((budget or 0.0) - (1.0 if self.unit == "leaves" else 0.0), 0.0)
-
-    def share(self, budgets: Sequence[float | None], running: int | None = None) -> list[float | None]:
-        running = max(running or len(budgets), len(budgets))
-        if not budgets or self.pool <= 0:
-            return list(budgets)
-        if self.unit == "leaves":
-            extra = self.split(self.pool, running)[: len(budgets)]
-        else:
-            extra = [self.pool / running] * len(budgets)
-        self.pool -= sum(extra)
-        return [b + e for b, e in zip(budgets, extra)]
-
-    def fork_made(self, planned: int, made: int) -> None:
-        self.branches -= planned - made
-
-    @property
-    def room(self) -> int:
-        """Branches the leaf cap still allows."""
-        return self.cap - self.branches
-
-    @property
-    def leaves_left(self) -> float:
-        return self.pool
 
     def stochastic_round(self, x: float) -> int:
         base = math.floor(x)
         return base + (self.rng.random() < x - base)
 
     def metrics(self) -> dict[str, float]:
-        out = {"bpo/budget": float(self.root_budget or 0.0), "bpo/explore_tree": float(self.explore),
+        out = {"bpo/budget": self.budget.root_budget, "bpo/explore_tree": float(self.kind == "explore"),
                "bpo/budget_from_task": float(self.budget_source == "task")}
-        if self.unit != "leaves":
-            out["bpo/budget_spent"] = self.spent
+        if self.budget.unit != "leaves":
+            out["bpo/budget_spent"] = self.budget.spent
         return out
 
 
-class AllocationPlan(_BudgetedPlan):
+class AllocationPlan(_LearnedPlan):
     """The learned allocation (``bpo.allocation=learned``): the shape of least leave-one-out gradient variance
     within the budget, under the profile's model (:mod:`verl_bpo.core.shape`), applied node by node.
 
     At the tree's start the search picks per-depth widths K_d among the candidate shapes whose cost fits the root
     budget B (the flat shape K_0 = N, RLOO, is one: the tree becomes it when the first turn decides everything or
-    nothing is known). A node at depth d holding budget b then gets K = stochastic_round(K_d · b / P_d) children,
+    nothing is known). A node at depth d holding amount b then gets K = stochastic_round(K_d · b / P_d) children,
     clamped to [1, b / C_d] (the root at least 2): P_d is what the shape plans to spend below such a node and C_d
     the expected cost of one path from d to its end, so a subtree that was handed more than planned (by paths
     that ended early) widens, one handed less narrows, and the budget is kept.
@@ -278,37 +316,38 @@ class AllocationPlan(_BudgetedPlan):
 
     kind = "learned"
 
-    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random,
-                 budget: float | None = None, budget_source: str = "given") -> None:
-        super().__init__(config, n_leaves, profile, rng, budget, budget_source)
-        T = config.max_turns
+    def __init__(self, config: BPOConfig, rollout_n: int, profile: DepthProfile, rng: random.Random,
+                 root_budget: float | None = None, budget_source: str = "given") -> None:
+        super().__init__(config, rollout_n, profile, rng, root_budget, budget_source)
+        T, unit, budget = config.max_turns, self.budget.unit, self.budget.root_budget
         survival = profile.survival
-        per_sample = profile.per_sample_cost(self.unit)
-        candidates = candidate_widths(T, self.cap, max(config.min_depth, 1), config.cooldown,
+        per_sample = profile.per_sample_cost(unit)
+        candidates = candidate_widths(T, self.budget.leaf_cap, max(config.min_depth, 1), config.cooldown,
                                       min(config.max_forks_per_path or MAX_SEARCH_FORKS, MAX_SEARCH_FORKS))
         self.shape = best_shape(candidates, profile.credited_variance(), profile.gradient_mass(), per_sample,
-                                self.root_budget, n_leaves)
+                                budget, rollout_n)
         samples = np.cumprod(self.shape.widths.astype(float))
         before = np.concatenate([[1.0], samples[:-1]])  # n_{d−1}
         below = np.cumsum((per_sample * samples)[::-1])[::-1]  # Σ_{j≥d} q_j n_j
         self.planned = np.where(survival > 0, below / np.maximum(survival * before, 1e-12), 0.0)  # P_d
-        self.cost_left = np.array([profile.cost_left(d, self.unit) for d in range(T)])
-        self.root_width = min(self.cap, max(2, self._width(0, self.root_budget)))
-        self.branches = self.root_width
+        self.cost_left = np.array([profile.cost_left(d, unit) for d in range(T)])
+        self.root_width = min(self.budget.leaf_cap, max(2, self._width(0, budget)))
+        self.budget.reserve(self.root_width)
 
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         widths = []
         for view in views:
-            widths.append(min(self._width(view.depth, view.budget), self.room + 1) if self.room > 0 else 1)
-            self.branches += widths[-1] - 1  # reserved now; fork_made returns what the fork did not make
+            left = self.budget.leaves_left
+            widths.append(min(self._width(view.depth, view.budget), left + 1) if left > 0 else 1)
+            self.budget.reserve(widths[-1])
         return widths
 
-    def _width(self, depth: int, budget: float | None) -> int:
-        if budget is None or depth >= len(self.planned):
+    def _width(self, depth: int, amount: float) -> int:
+        if depth >= len(self.planned):
             return 1
         planned = self.planned[depth]
-        x = self.shape.widths[depth] * budget / planned if planned > 0 else 1.0
-        high = budget if self.unit == "leaves" else budget / self.cost_left[depth]
+        x = self.shape.widths[depth] * amount / planned if planned > 0 else 1.0
+        high = amount if self.budget.unit == "leaves" else amount / self.cost_left[depth]
         return max(1, self.stochastic_round(min(max(x, 1.0), max(high, 1.0))))
 
     def metrics(self) -> dict[str, float]:
@@ -316,7 +355,7 @@ class AllocationPlan(_BudgetedPlan):
         return {**super().metrics(), "bpo/predicted_variance_ratio": ratio}
 
 
-class ExplorePlan(_BudgetedPlan):
+class ExplorePlan(_LearnedPlan):
     """The exploration shape: R root paths, each forking once into 2 at a depth drawn uniformly from [1, H − 1] (a
     fork hazard of 1 / (H − depth) at each depth), independent of any score. H is the expected episode length the
     profile has learned (``max_turns`` before any tree), so forks land where episodes go.
@@ -327,30 +366,31 @@ class ExplorePlan(_BudgetedPlan):
     the budget and the profile only, never a node, so the shape stays score-free."""
 
     kind = "explore"
-    explore = True
 
-    def __init__(self, config: BPOConfig, n_leaves: int, profile: DepthProfile, rng: random.Random,
-                 budget: float | None = None, budget_source: str = "given") -> None:
-        super().__init__(config, n_leaves, profile, rng, budget, budget_source)
+    def __init__(self, config: BPOConfig, rollout_n: int, profile: DepthProfile, rng: random.Random,
+                 root_budget: float | None = None, budget_source: str = "given") -> None:
+        super().__init__(config, rollout_n, profile, rng, root_budget, budget_source)
+        unit = self.budget.unit
         self.horizon = min(config.max_turns, max(2, round(profile.episode_cost("turns"))))
-        if self.unit == "leaves" or not profile.trees:
-            root = max(2, n_leaves // 2)
+        if unit == "leaves" or not profile.trees:
+            root = max(2, rollout_n // 2)
         else:
             survival = profile.survival
-            suffix = np.mean([survival[d] * profile.cost_left(d, self.unit) for d in range(1, self.horizon)])
-            root = self.stochastic_round(self.root_budget / (profile.episode_cost(self.unit) + suffix))
-        self.root_width = min(self.cap, max(2, root))
-        self.branches = self.root_width
-        self.extra_leaves = (n_leaves - self.root_width) if self.unit == "leaves" else self.root_width
+            suffix = np.mean([survival[d] * profile.cost_left(d, unit) for d in range(1, self.horizon)])
+            root = self.stochastic_round(self.budget.root_budget / (profile.episode_cost(unit) + suffix))
+        self.root_width = min(self.budget.leaf_cap, max(2, root))
+        self.budget.reserve(self.root_width)
+        # forks of 2 left: one per root path, and under a leaf budget no more than the N leaves allow
+        self.forks_left = (rollout_n - self.root_width) if unit == "leaves" else self.root_width
 
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         widths = []
         for view in views:
-            fork = (view.forks_on_path == 0 and self.extra_leaves > 0 and self.room > 0
+            fork = (view.forks_on_path == 0 and self.forks_left > 0 and self.budget.leaves_left > 0
                     and self.rng.random() < 1.0 / max(self.horizon - view.depth, 1))
             widths.append(2 if fork else 1)
-            self.extra_leaves -= fork
-            self.branches += fork
+            self.forks_left -= fork
+            self.budget.reserve(widths[-1])
         return widths
 
 
@@ -369,9 +409,10 @@ class ForkPolicy:
         if config.mode == "auto":
             raise ValueError("resolve bpo.mode=auto with BPOConfig.for_estimator() before building a ForkPolicy")
         self.config = config
-        self.threshold: dict[int, float] = {}  # quantile τ per leaf count N, from the last finished tree
-        self.profile = DepthProfile(config.max_turns, config.profile_prior, config.profile_window,
-                                    config.cost_window)
+        self.threshold: dict[int, float] = {}  # quantile τ per N, from the last finished tree
+        learned = config.learned
+        self.profile = DepthProfile(config.max_turns, learned.profile_prior, learned.profile_window,
+                                    learned.cost_window)
         # per task: one episode's cost under the policy of the task's last tree, and the sandbox average then
         self.task_costs: dict[str, dict[str, float]] = {}
         # Trees that could fork (learned plans; flat validation groups never count). The warm-up counts those
@@ -383,42 +424,41 @@ class ForkPolicy:
     def learned(self) -> bool:
         return self.config.mode == "tree" and self.config.allocation == "learned"
 
-    def start_tree(self, n_leaves: int, seed: int = 0, budget: float | None = None,
-                   task_key: str | None = None) -> _Plan:
-        """The plan of a tree of N = ``n_leaves``; ``seed`` drives its random choices (exploration, rounding).
+    def start_tree(self, rollout_n: int, seed: int = 0, root_budget: float | None = None,
+                   task_key: str | None = None) -> Plan:
+        """The plan of a tree for N = ``rollout_n``; ``seed`` drives its random choices (exploration, rounding).
 
-        ``budget`` (learned plans): the tree's root budget in ``bpo.budget``'s unit, e.g. the tokens a baseline's
-        group spent on the same task, for a comparison at matched compute. It must not depend on this tree's own
-        samples. ``None``: what N flat rollouts of this task would cost: N times one episode of the task as its
-        last tree measured it (``task_key`` names the task), scaled by how the sandbox's average episode changed
-        since; for a task not seen before, N times the sandbox's average episode over recent trees."""
-        if not self.learned or self.config.is_flat(n_leaves):
-            return FixedPlan(self.config, n_leaves, self.threshold.get(n_leaves, -math.inf))
+        ``root_budget`` (learned plans): what the tree may spend, in ``bpo.learned.budget_unit``, e.g. the tokens a
+        baseline's group spent on the same task, for a comparison at matched compute. It must not depend on this
+        tree's own samples. ``None``: what N flat rollouts of this task would cost: N times one episode of the
+        task as its last tree measured it (``task_key`` names the task), scaled by how the sandbox's average
+        episode changed since; for a task not seen before, N times the sandbox's average episode over recent
+        trees."""
+        if not self.learned or self.config.is_flat(rollout_n):
+            return FixedPlan(self.config, rollout_n, self.threshold.get(rollout_n, -math.inf))
         rng = random.Random(seed)
         self.trees_started += 1
-        explore = self.trees_started <= self.config.warmup_trees or rng.random() < self.config.explore_share
+        learned = self.config.learned
+        explore = self.trees_started <= learned.warmup_trees or rng.random() < learned.explore_share
         cls = ExplorePlan if explore else AllocationPlan
         source = "given"
-        if budget is None and (budget := self.task_budget(n_leaves, task_key)) is not None:
+        if root_budget is None and (root_budget := self.task_budget(rollout_n, task_key)) is not None:
             source = "task"
-        return cls(self.config, n_leaves, self.profile, rng, budget, source)
+        return cls(self.config, rollout_n, self.profile, rng, root_budget, source)
 
-    def task_budget(self, n_leaves: int, task_key: str | None) -> float | None:
-        """N flat rollouts of a task seen before, in ``bpo.budget``'s unit; ``None`` for a task not seen yet."""
-        unit = self.config.budget
+    def task_budget(self, rollout_n: int, task_key: str | None) -> float | None:
+        """N flat rollouts of a task seen before, in ``bpo.learned.budget_unit``; ``None`` for a task not seen yet
+        (and under a leaf budget, which is N leaves whatever the task)."""
+        unit = str(self.config.learned.budget_unit)
         cost = self.task_costs.get(task_key) if task_key is not None and unit != "leaves" else None
         if cost is None or cost[unit] <= 0 or cost[f"sandbox_{unit}"] <= 0:
             return None
-        return n_leaves * cost[unit] * self.profile.episode_cost(unit) / cost[f"sandbox_{unit}"]
+        return rollout_n * cost[unit] * self.profile.episode_cost(unit) / cost[f"sandbox_{unit}"]
 
-    def finish_tree(self, plan: _Plan, record: TreeRecord | None = None) -> TreeRecord:
+    def finish_tree(self, plan: Plan, record: TreeRecord | None = None) -> TreeRecord:
         """``record`` of a tree grown by ``plan``, completed with what the plan knows; the policy learns from it
         and returns it (the record a worker hands the run's one policy)."""
-        record = record if record is not None else TreeRecord((), (), (), {}, {})
-        scores = plan.scores if isinstance(plan, FixedPlan) else ()
-        wanted = plan.forks_wanted if isinstance(plan, FixedPlan) else 0
-        record = dataclasses.replace(record, plan=plan.kind, n_leaves=plan.n_leaves, fork_scores=tuple(scores),
-                                     forks_wanted=wanted, score_free=not plan.uses_scores)
+        record = plan.completed(record if record is not None else TreeRecord((), (), (), {}, {}))
         self.learn(record)
         return record
 
@@ -426,10 +466,10 @@ class ForkPolicy:
         """Learn from a finished tree: the quantile threshold (fixed rule), or the depth profile and the task's
         episode cost (learned plans). Flat groups teach nothing."""
         if record.plan == "fixed":
-            if self.config.selector == "quantile" and record.fork_scores:
+            if self.config.fixed.selector == "quantile" and record.fork_scores:
                 rate = min(1.0, record.forks_wanted / len(record.fork_scores))
-                self.threshold[record.n_leaves] = (-math.inf if rate >= 1.0 else
-                                                   float(np.quantile(np.asarray(record.fork_scores), 1.0 - rate)))
+                self.threshold[record.rollout_n] = (-math.inf if rate >= 1.0 else
+                                                    float(np.quantile(np.asarray(record.fork_scores), 1.0 - rate)))
             return
         if record.plan not in ("explore", "learned"):
             return

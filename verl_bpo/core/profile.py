@@ -14,11 +14,11 @@ log-probs) gives, per depth j < T:
     D_j = S_j γ_j − S_{j+1} γ_{j+1}: the return variance injected by the turn at depth j (γ_T = 0), each
           estimate shrunk by one standard error across trees.
 
-A share σ_j = κ · min(e_j, 1 − e_j) · D_j is credited one depth earlier (κ = ``bpo.profile_prior``): returns
+A share σ_j = κ · min(e_j, 1 − e_j) · D_j is credited one depth earlier (κ = ``bpo.learned.profile_prior``): returns
 alone cannot tell where the decisive action's expected gradient changes (a task and its twin whose success
 ignores the last action give the same returns and log-probs), so κ is a stated prior, not a hidden constant. The
-profile is forgotten exponentially so it follows training: the variogram over ``bpo.profile_window`` trees (it needs
-many), S_j, e_j and the turn costs c_j over ``bpo.cost_window`` (each tree measures them well, and a budget planned
+profile is forgotten exponentially so it follows training: the variogram over ``bpo.learned.profile_window`` trees (it needs
+many), S_j, e_j and the turn costs c_j over ``bpo.learned.cost_window`` (each tree measures them well, and a budget planned
 on stale costs is overspent or left unspent). Pure numpy.
 """
 
@@ -46,9 +46,9 @@ class TreeRecord:
         score_free: the tree's forks were decided without reading any node's content (its pairs teach the
             variogram).
         plan: which plan grew it (``fixed``, ``explore`` or ``learned``; ``flat`` for N independent rollouts).
-        n_leaves: N, the flat rollouts the tree stood for.
+        rollout_n: N, verl's ``actor_rollout_ref.rollout.n``: the flat rollouts the tree stood for.
         fork_scores: the fork scores its candidates got (the fixed rule's ``quantile`` threshold learns them).
-        forks_wanted: forks of K its leaf budget allowed (fixed rule).
+        forks_wanted: forks of K its N leaves allowed (fixed rule).
         task_key: which task it grew on (:meth:`ForkPolicy.start_tree`'s ``task_key``), ``None`` when not known.
 
     A record is what the run's one :class:`~verl_bpo.core.fork_policy.ForkPolicy` learns from, wherever the tree
@@ -62,7 +62,7 @@ class TreeRecord:
     turn_tokens: dict[int, float]
     score_free: bool = False
     plan: str = "fixed"
-    n_leaves: int = 0
+    rollout_n: int = 0
     fork_scores: Sequence[float] = ()
     forks_wanted: int = 0
     task_key: str | None = None
@@ -98,9 +98,9 @@ class DepthProfile:
 
     Args:
         horizon: T, the most turns a path may take (``bpo.max_turns``).
-        prior: κ (``bpo.profile_prior``).
-        window: trees after which a variogram observation's weight has fallen to 1/e (``bpo.profile_window``).
-        cost_window: the same for survival, uncertainty and turn costs (``bpo.cost_window``); default ``window``.
+        prior: κ (``bpo.learned.profile_prior``).
+        window: trees after which a variogram observation's weight has fallen to 1/e (``bpo.learned.profile_window``).
+        cost_window: the same for survival, uncertainty and turn costs (``bpo.learned.cost_window``); default ``window``.
     """
 
     def __init__(self, horizon: int, prior: float, window: int, cost_window: int | None = None) -> None:

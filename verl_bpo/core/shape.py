@@ -110,12 +110,12 @@ def shape_cost(widths: np.ndarray, per_sample: np.ndarray) -> np.ndarray:
 
 
 def best_shape(candidates: np.ndarray, injected: np.ndarray, mass: np.ndarray, per_sample: np.ndarray,
-               budget: float, n_leaves: int) -> Shape:
-    """The candidate of least V whose cost fits ``budget``; the flat shape of ``n_leaves`` roots (RLOO) unless one
-    does better."""
+               budget: float, rollout_n: int) -> Shape:
+    """The candidate of least V whose cost fits ``budget``; the flat shape of ``rollout_n`` roots (N, RLOO) unless
+    one does better."""
     T = candidates.shape[1]
     flat = np.ones((1, T), dtype=np.int64)
-    flat[0, 0] = n_leaves
+    flat[0, 0] = rollout_n
     flat_variance = float(shape_variance(flat, injected, mass)[0])
     cost = shape_cost(candidates, per_sample)
     fits = np.flatnonzero(cost <= budget * (1 + 1e-9))

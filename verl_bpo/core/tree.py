@@ -10,7 +10,7 @@ With K_u the number of children of u (tree Monte Carlo with leave-one-out baseli
     masses     ω_root = 1,  ω_c = ω_u / K_u                          (leaf weight w_ℓ = ω_leaf; Σ_ℓ w_ℓ = 1)
     values     Q̂_c = r_c + γ · V̂(c),   V̂(u) = (1/K_u) Σ_{c ∈ ch(u)} Q̂_c,   V̂(leaf) = 0
     segments   the maximal chain of turns from a branch node's child edge down to the next branch node or leaf
-    advantage  A_e = Q̂_e − (1/(K_u − 1)) Σ_{e' ≠ e} Q̂_{e'}           (leave-one-out among siblings, baseline="loo")
+    advantage  A_e = Q̂_e − (1/(K_u − 1)) Σ_{e' ≠ e} Q̂_{e'}           (leave-one-out among siblings)
 
 Discounting runs along parent→child edges only, so rewards never leak between parallel branches. Every turn of
 segment e is credited with A_e (times γ^{t_u} when ``discount_weighting="exact"``, t_u the depth of the fork).
@@ -115,7 +115,8 @@ class Credit:
 def compute_credit(forest: Forest, config: BPOConfig = _DEFAULT, gamma: float = 1.0) -> Credit:
     """Masses, values, and sibling advantages of every node of ``forest``.
 
-    ``config`` supplies the advantage options (``baseline``, ``scale``, ``discount_weighting``, ``epsilon``);
+    ``config`` supplies the advantage options (``discount_weighting``, and the ablations ``mean_incl_self``,
+    ``group_std`` and ``epsilon``);
     ``gamma`` is the discount per turn (verl's ``algorithm.gamma``).
     """
     if not 0.0 < gamma <= 1.0:
@@ -151,14 +152,14 @@ def compute_credit(forest: Forest, config: BPOConfig = _DEFAULT, gamma: float = 
     k_u = k[u].astype(np.float64)
     group = k_u >= 2
     safe_k1 = np.where(group, k_u - 1, 1.0)
-    if config.baseline == "loo":
-        baseline = (q_sum[u] - q[top]) / safe_k1
-    else:
+    if config.ablation.mean_incl_self:
         baseline = value[u]
+    else:
+        baseline = (q_sum[u] - q[top]) / safe_k1
     adv_top = np.where(group, q[top] - baseline, 0.0)
-    if config.scale == "group_std":
+    if config.ablation.group_std:
         var = np.maximum(q_sqsum[u] - k_u * value[u] ** 2, 0.0) / safe_k1
-        adv_top = adv_top / (np.sqrt(var) + config.epsilon)
+        adv_top = adv_top / (np.sqrt(var) + config.ablation.epsilon)
     if config.discount_weighting == "exact" and gamma != 1.0:
         adv_top = adv_top * gamma ** forest.depth[u]
     adv_by_top = np.zeros(n)

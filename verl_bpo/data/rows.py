@@ -6,8 +6,9 @@ The ``prompt`` is the sandbox's own rendering of the task (system prompt + first
 filters and validation logs see the real prompt; the agent loop re-renders it from a fresh reset.
 
 A row may also carry ``extra_info.bpo_budget`` (``budgets=``): its task's tree budget under
-``bpo.allocation=learned``, a positive number in ``bpo.budget``'s unit (turns, tokens or leaves), used instead of the
-budget the run learns, e.g. what a baseline's group generated on the same task, for a comparison at matched compute.
+``bpo.allocation=learned``, a positive number in the unit of ``bpo.learned.budget_unit`` (turns, tokens or leaves),
+used instead of the budget the run learns, e.g. what a baseline's group generated on the same task, for a comparison
+at matched compute.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def task_row(sandbox: str, task: Mapping[str, Any], sandbox_config: Mapping[str,
 def _positive(budget: Any, index: int) -> float:
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not math.isfinite(budget) or budget <= 0:
         raise ValueError(f"the budget of task {index} must be a positive number (extra_info.bpo_budget, in "
-                         f"bpo.budget's unit), got {budget!r}")
+                         f"the unit of bpo.learned.budget_unit), got {budget!r}")
     return float(budget)
 
 

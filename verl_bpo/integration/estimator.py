@@ -8,8 +8,9 @@ among its siblings (Kool et al. 2019, RLOO, applied at every fork), and each lea
 
 so that verl's ``seq-mean-token-sum`` aggregation, which divides by a fixed row count, gives
 (1/B) Σ_trees Σ_e W_e Σ_{turns ∈ e} ∇log π · A_e — the unbiased tree policy gradient, for trees of any leaf count.
-With one fork of N children at the root it is exactly RLOO (``compute_rloo_outcome_advantage``), and with
-``baseline=mean_incl_self, scale=group_std`` GRPO (Shao et al. 2024, arXiv:2402.03300).
+With one fork of N children at the root it is exactly RLOO (``compute_rloo_outcome_advantage``), and with the
+ablations ``bpo.ablation.mean_incl_self=true bpo.ablation.group_std=true`` GRPO (Shao et al. 2024,
+arXiv:2402.03300).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def compute_bpo_advantage(
             ``pad`` (verl's batch padding) get zero advantage.
         config: verl's ``algorithm`` config; ``gamma`` is read from it.
         tree_meta: ``(bs,)`` per-row :class:`~verl_bpo.core.leaf_meta.LeafMeta` (or its dict form); required.
-        bpo_config: the ``bpo`` settings (``baseline``, ``scale``, ``discount_weighting``, ``epsilon``).
+        bpo_config: the ``bpo`` settings (``discount_weighting`` and the ``ablation`` block are read).
         rows_per_tree: the advantage scale s, rows the loss divides by per tree (the BPO trainer passes it);
             default: this batch's rows over its trees, right for a loss over the whole batch with
             ``global_batch_size = bs`` (see :mod:`verl_bpo.integration.batch_layout`).

@@ -1,4 +1,4 @@
-"""``python -m verl_bpo.main <verl overrides> algorithm.adv_estimator=bpo bpo.k=2 ...``
+"""``python -m verl_bpo.main <verl overrides> algorithm.adv_estimator=bpo bpo.fixed.k=2 ...``
 
 verl's ``main_ppo`` with the BPO config (``config/bpo_trainer.yaml`` = verl's ``ppo_trainer`` + the ``bpo`` block,
 whose schema is :class:`~verl_bpo.core.config.BPOConfig`) and the BPO TaskRunner. Every check that can fail runs

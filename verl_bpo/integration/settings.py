@@ -32,7 +32,7 @@ from sandbox_adapters.registry import (
     check_task,
     min_step_timeout_s,
 )
-from verl_bpo.core.config import ROLLOUT_N, BPOConfig, SandboxSpec
+from verl_bpo.core.config import ROLLOUT_N, Allocation, BPOConfig, ForkScore, Mode, SandboxSpec
 from verl_bpo.integration.agent_loop import AGENT_NAME, BUDGET_FIELD, row_budget
 from verl_bpo.integration.estimator import ESTIMATOR_NAME
 from verl_bpo.integration.stock_launch import TRAINER_ENV_KEY
@@ -47,7 +47,10 @@ DATA_FILE_KEYS = ("data.train_files", "data.val_files")
 
 
 def register_schema() -> None:
-    """``bpo: schema`` in hydra's ConfigStore: the defaults and types of :class:`BPOConfig`."""
+    """``bpo: schema`` in hydra's ConfigStore: the defaults and types of :class:`BPOConfig`, its blocks
+    (``bpo.fixed``, ``bpo.learned``, ``bpo.ablation``, ``bpo.sandbox``) included. Hydra refuses an unknown key and
+    a value outside a choice's enum (``bpo.allocation=bogus``) when it composes; :func:`read_bpo_config` then runs
+    the dataclass's own checks."""
     ConfigStore.instance().store(group="bpo", name="schema", node=BPOConfig)
 
 
@@ -70,11 +73,11 @@ def prepare_config(config: DictConfig) -> BPOConfig:
                          "and records turns with the rollout log-probs; set it to True")
     # The sampler builds its fork scorer for every tree and flat group (verl_bpo/rollout/scoring.py, ForkScorer),
     # which refuses this score with verl's clients; without this check it would fail in every agent-loop worker.
-    if bpo.score == "next_token_entropy":
+    if bpo.fixed.score == ForkScore.next_token_entropy:
         raise ValueError(
-            "bpo.score=next_token_entropy needs an LLM client that returns the full next-token distribution; "
+            "bpo.fixed.score=next_token_entropy needs an LLM client that returns the full next-token distribution; "
             "verl's vLLM/SGLang servers return only the sampled tokens' log-probs, so every tree would fail in the "
-            "agent-loop workers after the models load. Set bpo.score=parent_turn_surprisal (free) or "
+            "agent-loop workers after the models load. Set bpo.fixed.score=parent_turn_surprisal (free) or "
             "probe_surprisal (a short discarded probe per candidate)"
         )
     if estimator == ESTIMATOR_NAME:
@@ -88,7 +91,7 @@ def prepare_config(config: DictConfig) -> BPOConfig:
     default_spec = dataclasses.asdict(bpo.sandbox)
     _check_sandbox(default_spec, bpo, "bpo.sandbox")
     used = _check_datasets(config, bpo, default_spec, require_tree_agent=estimator == ESTIMATOR_NAME,
-                           grows_trees=bpo.for_estimator(estimator).mode == "tree")
+                           grows_trees=bpo.for_estimator(estimator).mode == Mode.tree)
     if _rollouts_run_here(config):
         _check_runtimes(used)
     if estimator == ESTIMATOR_NAME:
@@ -104,7 +107,7 @@ def _check_tree_training(config: DictConfig, bpo: BPOConfig) -> None:
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     if rollout.n < 2:
         raise ValueError(f"{ROLLOUT_N}={rollout.n} is the number of leaves per tree; BPO needs >= 2")
-    if bpo.mode == "flat":
+    if bpo.mode == Mode.flat:
         raise ValueError("algorithm.adv_estimator=bpo with bpo.mode=flat is plain RLOO; use adv_estimator=rloo")
     mode = actor.loss_agg_mode
     if mode not in TREE_LOSS_AGG_MODES:
@@ -337,12 +340,12 @@ def _check_row_budget(where: str, row: int, extra: Mapping[str, Any], bpo: BPOCo
         budget = row_budget(extra, f"row {row}")
     except ValueError as exc:
         raise ValueError(f"{where}: row {row}: {exc}") from exc
-    if budget is not None and grows_trees and bpo.allocation != "learned":
+    if budget is not None and grows_trees and bpo.allocation != Allocation.learned:
         raise ValueError(
             f"{where}: row {row} has extra_info.{BUDGET_FIELD}={budget:g}, a tree budget, but "
             f"bpo.allocation={bpo.allocation} grows exactly {ROLLOUT_N} leaves per tree and would ignore it; set "
-            f"bpo.allocation=learned (and bpo.budget to the budget's unit: turns, tokens or leaves), or write the rows "
-            f"without {BUDGET_FIELD}")
+            f"bpo.allocation=learned (and bpo.learned.budget_unit to the budget's unit: turns, tokens or leaves), or "
+            f"write the rows without {BUDGET_FIELD}")
 
 
 def _rollouts_run_here(config: DictConfig) -> bool:

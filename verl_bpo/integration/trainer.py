@@ -23,7 +23,7 @@ per task stay the leaf cap, which bounds a tree's leaves whatever its budget.
 
 For ``algorithm.adv_estimator=bpo`` it also:
 
-* gives each task ``bpo.max_leaves`` agent-loop sessions when its tree's budget is turns or tokens (verl's
+* gives each task ``bpo.learned.max_leaves`` agent-loop sessions when its tree's budget is turns or tokens (verl's
   ``__rollout_n__``: such a tree may grow more leaves than ``rollout.n``, one per session);
 * runs verl's advantage code inside :func:`~verl_bpo.integration.estimator.tree_call_context`, so the registered
   estimator sees each row's tree metadata and the batch's rows per tree;
@@ -70,7 +70,7 @@ from verl_bpo.integration.estimator import ESTIMATOR_NAME, tree_call_context
 from verl_bpo.integration.packed_rows import PackedBatch, column
 from verl_bpo.integration.settings import read_bpo_config
 
-__all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "STATE_FILE", "tree_metrics", "rollout_states",
+__all__ = ["BPOTrainer", "BPOTaskRunner", "TRAINER_MODE", "STATE_FILE", "batch_tree_metrics", "rollout_states",
            "learn_from_batch", "check_reset_failures", "save_allocation_state", "load_allocation_state",
            "batch_tree_call", "append_tree", "tree_spend", "column"]
 
@@ -83,7 +83,7 @@ STATE_FILE = "bpo_allocation.json"  # the learned allocation state, in each verl
 RESET_FAILURE_LIMIT = 0.5  # a step where more trees than this never started stops the run
 
 
-def tree_metrics(uids: list[Any], extra_fields: list[Any]) -> dict[str, float]:
+def batch_tree_metrics(uids: list[Any], extra_fields: list[Any]) -> dict[str, float]:
     """Mean of every per-tree ``bpo/...`` metric over the trees of a batch, plus leaf-level failure rates."""
     sums: dict[str, float] = collections.defaultdict(float)
     trees = leaves = failed = 0
@@ -276,7 +276,7 @@ class BPOTrainer(PPOTrainerSync):
     def _compute_advantage(self, batch, metrics: dict):
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "extra_fields"])
         uids, extra_fields = column(data, "uid"), column(data, "extra_fields")
-        metrics.update(tree_metrics(uids, extra_fields))
+        metrics.update(batch_tree_metrics(uids, extra_fields))
         check_reset_failures(uids, extra_fields)
         learn_from_batch(self.fork_policy, uids, extra_fields)
         metrics.update(self.fork_policy.metrics())

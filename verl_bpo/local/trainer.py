@@ -139,7 +139,7 @@ class LocalRL:
                             lambda: make_sandbox(self.sandbox, self.sandbox_config), task, self.client, self.codec,
                             tree_id=f"s{self.seed}-u{self.updates}-t{i}", policy=policy,
                             seed=hash((self.seed, self.updates, i)) % 2**31,
-                            budget=None if budgets is None else budgets[i])
+                            root_budget=None if budgets is None else budgets[i])
                 for i, task in enumerate(tasks)
             ]
             return list(await asyncio.gather(*(s.run() for s in samplers)))

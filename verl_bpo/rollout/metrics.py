@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from typing import Any
+from verl_bpo.core.fork_policy import Plan
 from verl_bpo.rollout.tree_state import Leaf, TreeState
 
 __all__ = ["tree_metrics"]
 
 
-def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
+def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Plan,
                  seconds: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """``plan``: the tree's plan from :meth:`~verl_bpo.core.fork_policy.ForkPolicy.start_tree`."""
     rows = max(len(leaves), 1)
@@ -38,7 +38,7 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
     segments = sum(len(c) for c in children.values() if len(c) >= 2) or 1
     metrics = {
         "bpo/leaves": float(len(leaves)),
-        "bpo/leaf_utilization": len(leaves) / plan.n_leaves,
+        "bpo/leaf_utilization": len(leaves) / plan.rollout_n,
         "bpo/forks": float(state.forks),
         "bpo/success_rate": sum(leaf.mass * leaf.won for leaf in leaves),
         "bpo/leaf_return": sum(leaf.mass * leaf.reward for leaf in leaves),
@@ -54,12 +54,9 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Any,
         "bpo/mean_segment_turns": state.turns / segments,
         "bpo/leaf_depth": sum(leaf.meta.num_turns for leaf in leaves) / rows,
         # Under a turn or token budget what is left is in turns or tokens: bpo/budget − bpo/budget_spent.
-        **({"bpo/unspent_leaf_budget": float(max(plan.leaves_left, 0))} if plan.unit == "leaves" else {}),
+        **({"bpo/unspent_leaf_budget": float(max(plan.budget.pool, 0))} if plan.budget.unit == "leaves" else {}),
     }
     metrics.update(plan.metrics())
-    if plan.scores:
-        metrics["bpo/score_mean"] = sum(plan.scores) / len(plan.scores)
-        metrics["bpo/score_max"] = max(plan.scores)
     for kind in ("snapshot", "restore", "step"):
         values = seconds.get(kind)
         if values:

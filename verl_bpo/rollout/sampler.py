@@ -1,15 +1,20 @@
 """TreeSampler: grows one BPO tree for one task, against a Sandbox and an LLM client.
 
-The worker's :class:`~verl_bpo.core.fork_policy.ForkPolicy` gives the tree its plan. The root is a fork of K0
-(K0 = N with no later fork is *flat mode*: N independent rollouts through the same code, the GRPO/RLOO baseline).
-Then every branch, at each node it reaches:
+The worker's :class:`~verl_bpo.core.fork_policy.ForkPolicy` gives the tree its
+:class:`~verl_bpo.core.fork_policy.Plan`, and the sampler talks to the plan only through that protocol. The root
+holds the tree's whole budget (:class:`~verl_bpo.core.fork_policy.TreeBudget`: leaves, turns or tokens) and is a
+fork of K0 (K0 = N with no later fork is *flat mode*: N independent rollouts through the same code, the GRPO/RLOO
+baseline). Then every branch, at each node it reaches:
 
-  1. **decides** — the node is read from a frozen view of its own history and budget (and scored, for plans that
-     use a fork score), and the plan gives it a width; a node of width K ≥ 2 is forked: its sandbox is
-     snapshotted once, K − 1 fresh sandboxes are restored from it (each re-seeded), the transcript is copied, and
-     the node's budget is split among the K branches;
+  1. **decides** — it takes its share of what ended branches left unspent; the node is read from a frozen view of
+     its own history and amount (and scored, for plans that use a fork score), and the plan gives it a width; a
+     node of width K ≥ 2 is forked: its sandbox is snapshotted once, K − 1 fresh sandboxes are restored from it
+     (each re-seeded), the transcript is copied, and the node's amount is split among the K branches;
   2. **acts** — the branch (the original included) samples a fresh turn, spends its cost, and steps its sandbox.
-     What a branch leaves unspent when its episode ends is shared among the branches still running.
+     When its episode ends, what it did not spend goes back to the budget's pool.
+
+Each of these budget events reaches the plan's budget through one helper, :meth:`TreeSampler._tell`, the only
+place a branch's amount changes.
 
 Branches run concurrently at their own pace (generation and sandbox steps of different branches overlap); only
 the fixed rule's ``topB_wave`` selector, which ranks the candidates of a whole wave, grows the tree in waves.
@@ -35,7 +40,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from sandbox_adapters.base import Observation, Sandbox, Snapshot, SnapshotKind, StepResult
 from verl_bpo.core.config import BPOConfig
@@ -73,7 +78,7 @@ class TreeSampler:
 
     Args:
         config: the ``bpo`` settings, with ``mode`` resolved (:meth:`BPOConfig.for_estimator`).
-        n_leaves: N, verl's ``actor_rollout_ref.rollout.n``.
+        rollout_n: N, verl's ``actor_rollout_ref.rollout.n``.
         response_length: token budget of one leaf's response (verl's ``rollout.response_length``).
         make_sandbox: a fresh, un-reset sandbox per call.
         task: the task the sandbox is reset with.
@@ -82,8 +87,8 @@ class TreeSampler:
         sampling_params: passed to every generation (``max_tokens`` is set per turn).
         policy: the worker's :class:`ForkPolicy` (learns across trees); a fresh one when omitted.
         seed: seeds the sandboxes' re-seeding at forks.
-        budget: the tree's root budget under a learned allocation (:meth:`ForkPolicy.start_tree`); ``None``: N flat
-            rollouts' worth, learned from earlier trees.
+        root_budget: what the tree may spend under a learned allocation, in ``bpo.learned.budget_unit``
+            (:meth:`ForkPolicy.start_tree`); ``None``: N flat rollouts' worth, learned from earlier trees.
         task_key: names the task for the policy (its per-task episode cost); ``None``: not tracked.
         unique_request_ids: give every generation its own request id (``<tree id>-<n>``) instead of the tree's one.
             Needed where the client hands the id to the engine unchanged (verl with
@@ -93,13 +98,13 @@ class TreeSampler:
 
     RESET_ATTEMPTS = 2  # a reset that fails twice on fresh sandboxes is not transient: the tree becomes failed leaves
 
-    def __init__(self, config: BPOConfig, n_leaves: int, response_length: int, make_sandbox: Callable[[], Sandbox],
+    def __init__(self, config: BPOConfig, rollout_n: int, response_length: int, make_sandbox: Callable[[], Sandbox],
                  task: Mapping[str, Any], llm: LLMClient, codec: ChatCodec, *, tree_id: str,
                  sampling_params: Mapping[str, Any] | None = None, policy: ForkPolicy | None = None,
-                 seed: int = 0, budget: float | None = None, task_key: str | None = None,
+                 seed: int = 0, root_budget: float | None = None, task_key: str | None = None,
                  unique_request_ids: bool = False) -> None:
         self.config = config
-        self.n_leaves = n_leaves
+        self.rollout_n = rollout_n
         self.response_length = response_length
         self.make_sandbox = make_sandbox
         self.task = dict(task)
@@ -113,23 +118,20 @@ class TreeSampler:
         self.scorer = ForkScorer(config, llm, self.next_request_id, self.sampling_params, self.tree)
         self.calls = SandboxCalls(config.step_timeout_s)
         self.rng = random.Random(seed)
-        self.budget = budget
+        self.root_budget = root_budget
         self.task_key = task_key
 
     # --- the tree, top to bottom --------------------------------------------------------------------------------
     async def run(self) -> TreeResult:
-        self.plan = plan = self.policy.start_tree(self.n_leaves, seed=self.rng.randrange(2**31),
-                                                  budget=self.budget, task_key=self.task_key)
+        self.plan = plan = self.policy.start_tree(self.rollout_n, seed=self.rng.randrange(2**31),
+                                                  root_budget=self.root_budget, task_key=self.task_key)
         start = time.perf_counter()
         try:
             started = await self._start_episode()
             if isinstance(started, _Unstarted):
                 return await self._unstarted_tree(started)
             root = await self._root_branch(*started)
-            root.budget = plan.root_budget
             self.tree.branches = [root, *await self._fork(root, plan.root_width)]
-            plan.fork_made(plan.root_width, len(self.tree.branches))
-            self._split_budget(self.tree.branches)
             if plan.waves:
                 await self._grow_in_waves()
             else:
@@ -142,17 +144,16 @@ class TreeSampler:
 
     async def _grow_in_waves(self) -> None:
         """Every live branch advances one turn per wave: a plan that ranks a wave's candidates sees them all."""
-        plan = self.plan
         while active := self.tree.active():
-            for branch, budget in zip(active, plan.share([b.budget for b in active])):
-                branch.budget = budget
+            for branch in active:
+                self._tell("node", branch)
             if self.config.anticipating:  # the biased ablation draws the kept turn before deciding
                 await asyncio.gather(*(self._draw_pending(b) for b in active))
             await self._decide([b for b in active if b.node != 0])
             await asyncio.gather(*(self._act(b) for b in active))
             for branch in active:
                 if branch.done:
-                    plan.release(branch.budget)
+                    self._tell("end", branch)
 
     async def _grow_branches(self, branches: list[Branch]) -> None:
         """Every branch goes its own pace, deciding at each node as it reaches it: no branch waits for a slower
@@ -165,16 +166,15 @@ class TreeSampler:
             raise errors.exceptions[0] from None
 
     async def _grow_branch(self, branch: Branch, group: asyncio.TaskGroup) -> None:
-        plan = self.plan
         while not branch.done:
-            branch.budget = plan.share([branch.budget], running=len(self.tree.active()))[0]
+            self._tell("node", branch)
             if self.config.anticipating:
                 await self._draw_pending(branch)
             if branch.node != 0:
                 for child in await self._decide([branch]):
                     group.create_task(self._grow_branch(child, group))
             await self._act(branch)
-        plan.release(branch.budget)
+        self._tell("end", branch)
 
     async def _decide(self, branches: list[Branch]) -> list[Branch]:
         """Read every eligible node from its own frozen view, then fork the ones the plan widens; returns the new
@@ -188,20 +188,33 @@ class TreeSampler:
             scores = [0.0] * len(candidates)
         forked: list[Branch] = []
         for (branch, _), width in zip(candidates, plan.widths([v for _, v in candidates], scores)):
-            if width >= 2:
-                children = await self._fork(branch, width)
-                plan.fork_made(width, 1 + len(children))
-                if children:
-                    self.tree.forks += 1
-                    self.tree.branches.extend(children)
-                    self._split_budget([branch, *children])
-                    forked.extend(children)
+            if width >= 2 and (children := await self._fork(branch, width)):
+                self.tree.forks += 1
+                self.tree.branches.extend(children)
+                forked.extend(children)
         return forked
 
-    def _split_budget(self, siblings: list[Branch]) -> None:
-        """A fork's budget, split among its branches (the original included)."""
-        for branch, budget in zip(siblings, self.plan.split(siblings[0].budget, len(siblings))):
-            branch.budget = budget
+    def _tell(self, event: Literal["fork", "node", "turn", "end"], branch: Branch, *siblings: Branch,
+              planned: int = 0, tokens: int = 0) -> None:
+        """The one place the sampler tells the plan's budget what ``branch`` did, and sets the amounts it hands back.
+
+        ``"fork"``: a fork the plan sized ``planned`` made ``siblings`` (fewer when snapshots or restores failed);
+        the node's amount is split among them and ``branch``. ``"node"``: the branch is about to decide at its next
+        node and takes its share of what ended branches left. ``"turn"``: it took a turn that generated ``tokens``,
+        whose cost it spends. ``"end"``: its episode ended; what it holds goes back to the pool.
+        """
+        budget = self.plan.budget
+        if event == "fork":
+            for b, amount in zip((branch, *siblings), budget.on_fork(branch.budget, planned, 1 + len(siblings))):
+                b.budget = amount
+        elif event == "node":
+            branch.budget = budget.on_node(branch.budget, running=len(self.tree.active()))
+        elif event == "turn":
+            branch.budget = budget.on_turn(branch.budget, tokens)
+        elif event == "end":
+            budget.on_leaf_end(branch.budget)
+        else:
+            raise ValueError(f"unknown budget event {event!r}")
 
     # --- episode start ------------------------------------------------------------------------------------------
     async def _start_episode(self) -> tuple[Sandbox, Observation] | _Unstarted:
@@ -230,7 +243,8 @@ class TreeSampler:
     async def _root_branch(self, box: Sandbox, observation: Observation) -> Branch:
         messages = box.opening_chat(observation)
         prompt_ids = await self.codec.start(messages)
-        return Branch(0, box, Transcript(messages, list(prompt_ids), len(prompt_ids)), [0], [], 1.0)
+        return Branch(0, box, Transcript(messages, list(prompt_ids), len(prompt_ids)), [0], [], 1.0,
+                      budget=self.plan.budget.root_budget)
 
     async def _unstarted_tree(self, unstarted: _Unstarted) -> TreeResult:
         """N failed leaves when the episode never started, so verl's uid group stays whole (a group with no
@@ -243,7 +257,7 @@ class TreeSampler:
         base = Transcript(messages, list(prompt_ids), len(prompt_ids))
         await self.codec.add_user(base, "No episode was played.")
         base.turn_starts.append(0)
-        n = self.n_leaves
+        n = self.rollout_n
         for _ in range(n):
             node = self.tree.new_node()
             branch = Branch(node, None, base.copy(), [0, node], [0.0], 1.0 / n, depth=1)
@@ -263,6 +277,13 @@ class TreeSampler:
 
     # --- forks and turns ----------------------------------------------------------------------------------------
     async def _fork(self, branch: Branch, children: int) -> list[Branch]:
+        """The fork of ``branch`` into ``children`` branches that the plan decided: the siblings made, whose amounts
+        (and ``branch``'s) the plan's budget sets."""
+        siblings = await self._siblings(branch, children) if children >= 2 else []
+        self._tell("fork", branch, *siblings, planned=children)
+        return siblings
+
+    async def _siblings(self, branch: Branch, children: int) -> list[Branch]:
         """Up to ``children − 1`` siblings of ``branch`` at its node, each with a restored, re-seeded sandbox.
 
         A failed snapshot or restore makes the fork smaller; that is decided before any child turn is drawn, so
@@ -270,8 +291,6 @@ class TreeSampler:
         Where snapshots are not cheap (and ``bpo.step_retries`` > 0) the fork's snapshot stays with its branches,
         which retry a failed step from it (:meth:`_step_with_retries`).
         """
-        if children < 2:
-            return []
         try:
             snapshot: Snapshot = await self.calls("snapshot", branch.sandbox, "snapshot")
         except Exception as exc:
@@ -332,7 +351,7 @@ class TreeSampler:
         """One turn: generate (or take the pending draw), step the sandbox, append the observation."""
         token_ids, log_probs = branch.pending if branch.pending is not None else await self._generate(branch)
         branch.pending = None
-        branch.budget = self.plan.spend(branch.budget, len(token_ids) if self.plan.unit == "tokens" else 1.0)
+        self._tell("turn", branch, tokens=len(token_ids))
         transcript = branch.transcript
         text = await self.codec.add_assistant(transcript, token_ids, log_probs)
         # The codec appends the generated tokens last (it may add or trim boundary tokens before them).

@@ -2,10 +2,11 @@
 
     parent_turn_surprisal (S3)  mean −log π of the turn that led to the node: free, from the rollout log-probs.
     probe_surprisal (S2)        mean −log π of a short continuation sampled from the node and thrown away
-                                (ARPO's "entropy after a tool call", arXiv:2507.19849); costs ``bpo.probe_tokens``.
+                                (ARPO's "entropy after a tool call", arXiv:2507.19849); costs ``bpo.fixed.probe_tokens``.
     next_token_entropy (S1)     entropy of the node's next-token distribution; needs a client that returns it.
     kept_turn_surprisal (S4)    mean −log π of the node's own kept turn, drawn before deciding: anticipating, so
-                                biased (the posthoc fork of ARPO and TreeRL, arXiv:2506.11902). An ablation.
+                                biased (the posthoc fork of ARPO and TreeRL, arXiv:2506.11902). An ablation
+                                (``bpo.ablation.kept_turn_surprisal``), which replaces ``bpo.fixed.score``.
 """
 
 from __future__ import annotations
@@ -32,24 +33,24 @@ class ForkScorer:
     def __init__(self, config: BPOConfig, llm: LLMClient, request_id: Callable[[], str],
                  sampling_params: Mapping[str, Any],
                  tree: TreeState) -> None:
-        if config.score == "next_token_entropy" and not hasattr(llm, "next_token_entropy"):
+        if config.fixed.score == "next_token_entropy" and not hasattr(llm, "next_token_entropy"):
             raise ValueError(
-                "bpo.score=next_token_entropy needs an LLM client that returns the full next-token distribution; "
-                "verl's vLLM/SGLang servers return only sampled-token log-probs. Use bpo.score=probe_surprisal "
-                "or parent_turn_surprisal."
+                "bpo.fixed.score=next_token_entropy needs an LLM client that returns the full next-token "
+                "distribution; verl's vLLM/SGLang servers return only sampled-token log-probs. Use "
+                "bpo.fixed.score=probe_surprisal or parent_turn_surprisal."
             )
         self.config, self.llm, self.request_id = config, llm, request_id
         self.sampling_params = dict(sampling_params)
         self.tree = tree  # probes are generated tokens too: rollout compute the tree spent
 
     async def __call__(self, branch: Branch, view: NodeView) -> float:
-        score = self.config.score
+        if self.config.anticipating:
+            return mean_surprisal(branch.pending[1])
+        score = self.config.fixed.score
         if score == "parent_turn_surprisal":
             return float(view.parent_turn_surprisal or 0.0)
-        if score == "kept_turn_surprisal":
-            return mean_surprisal(branch.pending[1])
         if score == "probe_surprisal":
-            params = {**self.sampling_params, "max_tokens": self.config.probe_tokens}
+            params = {**self.sampling_params, "max_tokens": self.config.fixed.probe_tokens}
             out = await self.llm.generate(self.request_id(), prompt_ids=list(view.history), sampling_params=params)
             self.tree.generated_tokens += len(out.token_ids)
             return mean_surprisal(out.log_probs or [])

@@ -54,8 +54,10 @@ class Branch:
         forks: forks on the path, the root fork excluded.
         since_fork: turns since the last fork on the path (the root counts as one).
         last_turn_surprisal: mean −log π of the turn that led to ``node``.
-        pending: the kept turn drawn before the fork decision (the biased ``kept_turn_surprisal`` ablation only).
-        budget: what the branch's subtree may still spend (learned plans; ``None`` under the fixed rule).
+        pending: the kept turn drawn before the fork decision (the biased ``bpo.ablation.kept_turn_surprisal``
+            only).
+        budget: the amount the branch's subtree may still spend, in the unit of the plan's
+            :class:`~verl_bpo.core.fork_policy.TreeBudget` (set by the sampler's one budget helper).
         born: when the branch was created (``time.perf_counter``), for the tree's wall-time breakdown.
         done, failed, truncated, won: how the branch ended (``failed``: its last step crashed or hung).
         tampered: the sandbox reported ``info["grading_tampered"]`` on the final step (its grader saw the tests'
@@ -80,7 +82,7 @@ class Branch:
     since_fork: int = 0
     last_turn_surprisal: float | None = None
     pending: tuple[list[int], list[float]] | None = None
-    budget: float | None = None
+    budget: float = 0.0
     born: float = dataclasses.field(default_factory=time.perf_counter)
     done: bool = False
     failed: bool = False
