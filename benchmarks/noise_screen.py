@@ -1,0 +1,132 @@
+"""Screen a learning task for noise-limited progress before its control is trained: a prediction, not a verdict.
+
+The learning benchmark qualifies a task when RLOO with 2N rollouts (half RLOO's gradient variance) reaches the
+target in <= 0.75x RLOO's updates (``benchmarks/learning.py``). Training that control takes 20-40 minutes per
+setting on two cores. This predicts its ratio in a few minutes, so only promising settings are trained.
+
+It draws ``--draws`` real batch gradients of RLOO (N rollouts per task) and of RLOO-2N at the warm-start policy, on
+the learning benchmark's trainer and task (a fresh task batch and tree seed per draw, as training sees them), and
+replays AdamW on them with the weights frozen at the warm start: each simulated update draws one measured batch
+gradient (with replacement), clips it as the trainer does, and takes torch's AdamW step (betas 0.9, 0.999, the
+benchmark's eps and the task's learning rate; weight decay left out). Progress after t updates is the first-order
+gain in expected return, −ḡ·Δθ, with ḡ the mean gradient estimated from the *other* half of the draws (cross-fit,
+so a draw never grades its own step). The predicted ratio is the updates RLOO-2N needs to reach the progress RLOO
+reaches after T updates, over T, for several T.
+
+What it leaves out, and so why it is a screen: the policy moves during training, and as success rises the gradient's
+signal grows (the task becomes step-bound), so the warm start's ratio is a lower bound on a run's; collapses (a
+step that breaks the warm start) do not show. ``benchmarks/adam_noise_floor.py`` gives the optimizer's floor
+(1/sqrt(2) = 0.707). A task is still qualified only by its trained control.
+
+    python benchmarks/noise_screen.py --task hard_late [--batch 1] [--lr 7e-4] [--draws 96]
+
+Last line: one JSON object: ``ratio_by_updates`` (T -> predicted RLOO-2N/RLOO updates), ``snr_rloo`` and
+``snr_rloo_2n`` (‖E ĝ‖² / tr Cov ĝ), the settings, and ``wall_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from learning import ADAM_EPS, N_LEAVES, signal_to_noise, task_order, trainer, update_batch
+
+from verl_bpo.demo.tasks import TASKS, task_model
+
+BETAS = (0.9, 0.999)
+GRAD_CLIP = 1.0  # verl's actor.grad_clip, as LocalRL clips
+
+
+def draw_gradients(model_dir: Path, task, rollout_n: int, draws: int, lr: float) -> np.ndarray:
+    """``draws`` RLOO batch gradients (of the loss: descent direction is minus) at the warm start, one row each."""
+    rl = trainer(model_dir, task, "rloo", 0, {}, ADAM_EPS, lr, rollout_n)
+    order = task_order(task, 0)
+    rows = []
+    for d in range(draws):
+        rl.updates = d  # a fresh tree seed per draw; the weights never change
+        rl.gradient(rl.rollout(update_batch(order, d, task.batch)))
+        rows.append(rl.flat_gradient().astype(np.float32))
+    return np.stack(rows)
+
+
+def adam_progress(draws: np.ndarray, mean_grad: np.ndarray, updates: int, lr: float, eps: float, sims: int,
+                  seed: int) -> np.ndarray:
+    """Mean first-order progress −ḡ·Δθ after each of ``updates`` AdamW steps on gradients resampled from ``draws``,
+    over ``sims`` independent sequences; shape ``(updates,)``."""
+    rng = np.random.default_rng(seed)
+    dim = draws.shape[1]
+    m = np.zeros((sims, dim), np.float32)
+    v = np.zeros((sims, dim), np.float32)
+    delta = np.zeros((sims, dim), np.float32)
+    progress = np.empty(updates)
+    for t in range(1, updates + 1):
+        g = draws[rng.integers(len(draws), size=sims)]
+        norm = np.linalg.norm(g, axis=1, keepdims=True)
+        g = g * np.minimum(1.0, GRAD_CLIP / np.maximum(norm, 1e-12))
+        m = BETAS[0] * m + (1 - BETAS[0]) * g
+        v = BETAS[1] * v + (1 - BETAS[1]) * g * g
+        delta -= lr * (m / (1 - BETAS[0] ** t)) / (np.sqrt(v / (1 - BETAS[1] ** t)) + eps)
+        progress[t - 1] = float(np.mean(-(delta @ mean_grad)))
+    return progress
+
+
+def cross_fit_progress(draws: np.ndarray, updates: int, lr: float, eps: float, sims: int) -> np.ndarray:
+    """:func:`adam_progress` replaying one half of the draws, graded by the other half's mean, both ways, averaged."""
+    half = len(draws) // 2
+    a, b = draws[:half], draws[half:]
+    return (adam_progress(a, b.mean(0), updates, lr, eps, sims, seed=1)
+            + adam_progress(b, a.mean(0), updates, lr, eps, sims, seed=2)) / 2
+
+
+def updates_to_reach(progress: np.ndarray, level: float) -> float:
+    """First (linearly interpolated) update count at which ``progress`` reaches ``level``; inf if it never does."""
+    above = np.nonzero(progress >= level)[0]
+    if not len(above):
+        return float("inf")
+    i = int(above[0])
+    if i == 0:
+        return level / progress[0] if progress[0] > 0 else 1.0
+    lo, hi = progress[i - 1], progress[i]
+    return i + (level - lo) / (hi - lo)
+
+
+def predicted_ratios(rloo: np.ndarray, control: np.ndarray, horizons: list[int]) -> dict[str, float]:
+    """For each T: the control's updates to reach RLOO's progress after T updates, over T."""
+    return {str(t): round(updates_to_reach(control, rloo[t - 1]) / t, 4) for t in horizons if t <= len(rloo)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="hard_late", choices=list(TASKS))
+    parser.add_argument("--batch", type=int, default=None, help="tasks per update (default: the task's)")
+    parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the task's)")
+    parser.add_argument("--draws", type=int, default=96, help="batch gradients per estimator")
+    parser.add_argument("--sims", type=int, default=32, help="simulated AdamW runs per half")
+    parser.add_argument("--horizons", type=int, nargs="+", default=[4, 8, 16, 24, 36])
+    parser.add_argument("--out", type=Path, default=Path("runs/learning"))
+    args = parser.parse_args()
+    start = time.monotonic()
+    task = dataclasses.replace(TASKS[args.task], batch=args.batch or TASKS[args.task].batch)
+    lr = args.lr or task.lr
+    model_dir = task_model(args.out.resolve(), task)
+    draws = {"rloo": draw_gradients(model_dir, task, N_LEAVES, args.draws, lr),
+             "rloo_2n": draw_gradients(model_dir, task, 2 * N_LEAVES, args.draws, lr)}
+    snr = {name: round(signal_to_noise(g.astype(np.float64) @ g.T.astype(np.float64)), 4)
+           for name, g in draws.items()}
+    horizon = 3 * max(args.horizons)  # room for the control to catch up
+    progress = {name: cross_fit_progress(g, horizon, lr, ADAM_EPS, args.sims) for name, g in draws.items()}
+    ratios = predicted_ratios(progress["rloo"], progress["rloo_2n"], args.horizons)
+    for t, r in ratios.items():
+        print(f"{args.task} batch {task.batch} lr {lr:g}: RLOO's progress after {t:>2} updates, RLOO-2N in "
+              f"{r:.3f}x the updates", flush=True)
+    print(json.dumps({"task": args.task, "batch": task.batch, "lr": lr, "draws": args.draws, "sims": args.sims,
+                      "ratio_by_updates": ratios, "snr_rloo": snr["rloo"], "snr_rloo_2n": snr["rloo_2n"],
+                      "wall_s": round(time.monotonic() - start, 1)}))
+
+
+if __name__ == "__main__":
+    main()

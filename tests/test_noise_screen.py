@@ -1,0 +1,55 @@
+"""The noise screen's replay of AdamW (``benchmarks/noise_screen.py``) on synthetic gradient draws, no model.
+
+Two properties the screen's prediction rests on: where every batch gradient is the same (no noise), halving the
+variance changes nothing (ratio 1); where per-weight noise dwarfs the signal, halving it saves at most 1/sqrt(2)
+of the updates under Adam, and close to that (``benchmarks/adam_noise_floor.py``'s floor).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+screen = pytest.importorskip("noise_screen")
+
+DIM, DRAWS, LR, EPS = 400, 256, 1e-3, 1e-8
+
+
+def draws(signal: float, noise: float, seed: int) -> np.ndarray:
+    """Loss gradients: descent along ``-signal`` in every weight, plus Gaussian noise of std ``noise``."""
+    rng = np.random.default_rng(seed)
+    return (signal + noise * rng.standard_normal((DRAWS, DIM))).astype(np.float32) * 1e-3
+
+
+def ratios(rloo: np.ndarray, control: np.ndarray) -> dict[str, float]:
+    horizons = [8, 16, 24]
+    progress = {name: screen.cross_fit_progress(g, 3 * max(horizons), LR, EPS, sims=16)
+                for name, g in (("rloo", rloo), ("control", control))}
+    return screen.predicted_ratios(progress["rloo"], progress["control"], horizons)
+
+
+def test_no_noise_no_saving():
+    """Identical draws for both: the control reaches RLOO's progress in exactly RLOO's updates."""
+    same = np.tile(draws(1.0, 0.0, 0)[:1], (DRAWS, 1))
+    assert all(r == pytest.approx(1.0, abs=1e-3) for r in ratios(same, same).values())
+
+
+def test_noise_bound_saving_near_the_adam_floor():
+    """Per-weight signal 0.3 of the noise (adam_noise_floor: 0.736): half the variance gives 0.68-0.80x the
+    updates; the same variance gives about 1x (the negative control, which must not look like a saving). Far
+    weaker signals need far more draws than these: the replayed draws' own mean error then acts as signal."""
+    noisy = ratios(draws(0.3, 1.0, 1), draws(0.3, 1.0 / np.sqrt(2), 2))
+    same = ratios(draws(0.3, 1.0, 1), draws(0.3, 1.0, 3))
+    assert all(0.68 <= r <= 0.80 for r in noisy.values()), noisy
+    assert all(0.90 <= r <= 1.10 for r in same.values()), same
+
+
+def test_updates_to_reach_interpolates():
+    progress = np.array([1.0, 2.0, 4.0])
+    assert screen.updates_to_reach(progress, 3.0) == pytest.approx(2.5)
+    assert screen.updates_to_reach(progress, 0.5) == pytest.approx(0.5)
+    assert screen.updates_to_reach(progress, 5.0) == float("inf")
