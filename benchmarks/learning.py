@@ -144,7 +144,7 @@ def update_batch(order: list[dict[str, int]], update: int, batch: int) -> list[d
 
 
 def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,
-            adam_eps: float = ADAM_EPS, lr: float | None = None, n_leaves: int = N_LEAVES) -> LocalRL:
+            adam_eps: float = ADAM_EPS, lr: float | None = None, rollout_n: int = N_LEAVES) -> LocalRL:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,19 +152,19 @@ def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: di
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LocalRLConfig(estimator=estimator, n_leaves=n_leaves, batch_size=task.batch, lr=lr or task.lr,
+    config = LocalRLConfig(estimator=estimator, rollout_n=rollout_n, batch_size=task.batch, lr=lr or task.lr,
                            adam_eps=adam_eps, response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, tree))
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
 
 
 def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace, updates: int,
-              budgets: list[list[float]] | None = None, n_leaves: int = N_LEAVES) -> dict:
+              budgets: list[list[float]] | None = None, rollout_n: int = N_LEAVES) -> dict:
     """One training run of ``updates`` updates; ``budgets[u]``: the token budget of each task's tree at update
     ``u`` (BPO at matched tokens), ``None``: learned from the run's own earlier trees."""
     t0 = time.monotonic()
     rl = trainer(model_dir, task, estimator, seed, tree_settings(args.max_leaves, args.bpo_warmup_trees),
-                 args.adam_eps, args.lr, n_leaves)
+                 args.adam_eps, args.lr, rollout_n)
     order = task_order(task, seed)
     evals = task.tasks(task.eval_ids)
     curve, steps = [(0, rl.evaluate(evals, args.eval_episodes))], []
@@ -461,7 +461,7 @@ def main() -> None:
         # The control alone decides whether the task qualifies, before any BPO run: RLOO's warm-start gradient
         # noise, then RLOO and RLOO with 2N rollouts on every seed.
         rloo_grads = pool.submit(gradient_draws, model_dir, task, "rloo", args.grad_draws, 0, tree)
-        train([(e, seed, {"n_leaves": 2 * N_LEAVES} if e == CONTROL else {})
+        train([(e, seed, {"rollout_n": 2 * N_LEAVES} if e == CONTROL else {})
                for seed in range(args.seeds) for e in ("rloo", CONTROL)])
         grads = {"rloo": rloo_grads.result()}
         censored = updates + args.eval_every
@@ -499,7 +499,7 @@ def main() -> None:
                    "qualified": {t: result[f"{t}_qualified"] for t in args.tasks}, "control_only": args.control_only,
                    "seeds": args.seeds, "updates": {t: args.updates or TASKS[t].updates for t in args.tasks},
                    "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},
-                   "n_leaves": N_LEAVES, "batch": {t: args.batch or TASKS[t].batch for t in args.tasks},
+                   "rollout_n": N_LEAVES, "batch": {t: args.batch or TASKS[t].batch for t in args.tasks},
                    "max_leaves": args.max_leaves, "bpo_warmup_trees": args.bpo_warmup_trees,
                    "adam_eps": args.adam_eps, "match": args.match, "control": list(args.tasks),
                    "qualify_rule": QUALIFY_RULE, "wall_s": round(time.monotonic() - start)})

@@ -18,7 +18,7 @@ signal grows (the task becomes step-bound), so the warm start's ratio is a lower
 step that breaks the warm start) do not show. ``benchmarks/adam_noise_floor.py`` gives the optimizer's floor
 (1/sqrt(2) = 0.707). A task is still qualified only by its trained control.
 
-    python benchmarks/noise_screen.py --task hard_late [--batch 1] [--lr 7e-4] [--draws 96]
+    python benchmarks/noise_screen.py --task hard_late [--batch 1] [--lr 7e-4] [--draws 96] [--seed 0]
 
 Last line: one JSON object: ``ratio_by_updates`` (T -> predicted RLOO-2N/RLOO updates), ``snr_rloo`` and
 ``snr_rloo_2n`` (‖E ĝ‖² / tr Cov ĝ), the settings, and ``wall_s``.
@@ -41,10 +41,11 @@ BETAS = (0.9, 0.999)
 GRAD_CLIP = 1.0  # verl's actor.grad_clip, as LocalRL clips
 
 
-def draw_gradients(model_dir: Path, task, rollout_n: int, draws: int, lr: float) -> np.ndarray:
-    """``draws`` RLOO batch gradients (of the loss: descent direction is minus) at the warm start, one row each."""
-    rl = trainer(model_dir, task, "rloo", 0, {}, ADAM_EPS, lr, rollout_n)
-    order = task_order(task, 0)
+def draw_gradients(model_dir: Path, task, rollout_n: int, draws: int, lr: float, seed: int) -> np.ndarray:
+    """``draws`` RLOO batch gradients (of the loss: descent direction is minus) at the warm start, one row each;
+    ``seed`` picks the task order and the trees' seeds, as a learning seed does."""
+    rl = trainer(model_dir, task, "rloo", seed, {}, ADAM_EPS, lr, rollout_n)
+    order = task_order(task, seed)
     rows = []
     for d in range(draws):
         rl.updates = d  # a fresh tree seed per draw; the weights never change
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="tasks per update (default: the task's)")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the task's)")
     parser.add_argument("--draws", type=int, default=96, help="batch gradients per estimator")
+    parser.add_argument("--seed", type=int, default=0, help="task order and tree seeds (another seed: how it varies)")
     parser.add_argument("--sims", type=int, default=32, help="simulated AdamW runs per half")
     parser.add_argument("--horizons", type=int, nargs="+", default=[4, 8, 16, 24, 36])
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
@@ -113,8 +115,8 @@ def main() -> None:
     task = dataclasses.replace(TASKS[args.task], batch=args.batch or TASKS[args.task].batch)
     lr = args.lr or task.lr
     model_dir = task_model(args.out.resolve(), task)
-    draws = {"rloo": draw_gradients(model_dir, task, N_LEAVES, args.draws, lr),
-             "rloo_2n": draw_gradients(model_dir, task, 2 * N_LEAVES, args.draws, lr)}
+    draws = {"rloo": draw_gradients(model_dir, task, N_LEAVES, args.draws, lr, args.seed),
+             "rloo_2n": draw_gradients(model_dir, task, 2 * N_LEAVES, args.draws, lr, args.seed)}
     snr = {name: round(signal_to_noise(g.astype(np.float64) @ g.T.astype(np.float64)), 4)
            for name, g in draws.items()}
     horizon = 3 * max(args.horizons)  # room for the control to catch up
@@ -123,7 +125,7 @@ def main() -> None:
     for t, r in ratios.items():
         print(f"{args.task} batch {task.batch} lr {lr:g}: RLOO's progress after {t:>2} updates, RLOO-2N in "
               f"{r:.3f}x the updates", flush=True)
-    print(json.dumps({"task": args.task, "batch": task.batch, "lr": lr, "draws": args.draws, "sims": args.sims,
+    print(json.dumps({"task": args.task, "batch": task.batch, "lr": lr, "draws": args.draws, "seed": args.seed, "sims": args.sims,
                       "ratio_by_updates": ratios, "snr_rloo": snr["rloo"], "snr_rloo_2n": snr["rloo_2n"],
                       "wall_s": round(time.monotonic() - start, 1)}))
 

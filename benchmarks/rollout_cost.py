@@ -117,7 +117,7 @@ def main() -> None:
                for k in RATIOS}
     all_walls = [w for v in by_sandbox.values() for w in v["wall_ratios"]]
     summary["wall_spread"] = [min(all_walls), max(all_walls)]
-    print(json.dumps({**summary, "by_sandbox": by_sandbox, "n_leaves": N_LEAVES, "tasks": args.tasks,
+    print(json.dumps({**summary, "by_sandbox": by_sandbox, "rollout_n": N_LEAVES, "tasks": args.tasks,
                       "repeats": args.repeats, "selector": args.selector}))
 
 

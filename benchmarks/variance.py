@@ -116,7 +116,7 @@ def main() -> None:
         summary[f"{regime}_fixed_over_rloo"] = ratio(regime, "fixed", "rloo", "turns_var")
     summary.update({f"{regime}_{est}_{key}": round(results[regime][est][key], 1)
                     for regime in REGIMES for est in ("bpo", "rloo") for key in ("turns", "rows")})
-    summary.update({"trees": n_trees, "n_leaves": N_LEAVES, "warmup": args.warmup,
+    summary.update({"trees": n_trees, "rollout_n": N_LEAVES, "warmup": args.warmup,
                     "explore_share": args.explore_share})
     print(json.dumps(summary))
 

@@ -30,7 +30,7 @@ def make_trainer(model_dir, estimator="bpo", **kw):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = LocalRLConfig(estimator=estimator, n_leaves=4, batch_size=2, response_length=128,
+    config = LocalRLConfig(estimator=estimator, rollout_n=4, batch_size=2, response_length=128,
                            bpo=kw.pop("bpo", BPO), **kw)
     return LocalRL(model, tokenizer, "smoke", SMOKE, config)
 

@@ -356,7 +356,7 @@ def test_the_cpu_demo_runs_compose_and_differ_only_in_the_estimator(tmp_path):
         assert json.dumps(b, sort_keys=True, default=str) == json.dumps(g, sort_keys=True, default=str)
     cfg = compose_run("bpo")
     bpo = prepare_config(cfg)
-    assert cfg.actor_rollout_ref.rollout.n == settings.n_leaves and cfg.data.train_batch_size == settings.batch_size
+    assert cfg.actor_rollout_ref.rollout.n == settings.rollout_n and cfg.data.train_batch_size == settings.batch_size
     assert bpo.allocation == "learned" and bpo.learned.budget_unit == "tokens" and bpo.tree_log.endswith("trees.jsonl")
     assert bpo.sandbox.name == demo.TASK.sandbox and dict(bpo.sandbox.config) == dict(demo.TASK.sandbox_config)
     assert cfg.trainer.test_freq > 0 and cfg.data.val_files.endswith("val.parquet")  # held-out evaluation

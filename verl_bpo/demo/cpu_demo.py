@@ -59,7 +59,7 @@ TREE_LOG = "trees.jsonl"  # each run's bpo.tree_log, in its output folder
 class DemoSettings:
     """The demo's fixed choices (matched between the two estimators)."""
 
-    n_leaves = 8
+    rollout_n = 8
     batch_size = 4
     lr = TASK.lr
     max_tokens_per_turn = 6
@@ -127,7 +127,7 @@ def run_overrides(estimator: str, model: Path, train_data: Path, val_data: Path,
                   settings: DemoSettings, eval_every: int = 3) -> list[str]:
     """verl overrides of one demo run; the two estimators' runs differ only in ``algorithm.adv_estimator``."""
     return cpu_launch.cpu_overrides(
-        model, train_data, val_data, output_dir=out, n=settings.n_leaves, batch_size=settings.batch_size,
+        model, train_data, val_data, output_dir=out, n=settings.rollout_n, batch_size=settings.batch_size,
         steps=steps, adv_estimator=estimator, max_prompt_length=192, max_response_length=settings.response_length,
         lr=settings.lr,
         extra=[*_bpo_overrides(settings), f"bpo.tree_log={out / TREE_LOG}",
@@ -265,7 +265,7 @@ def plot_learning(data: dict[str, dict[str, list[float]]], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"CPU demo on the late-decision task: BPO (learned allocation, each tree's token budget = GRPO's "
-                 f"group on its task) vs GRPO, N = {DemoSettings.n_leaves}")
+                 f"group on its task) vs GRPO, N = {DemoSettings.rollout_n}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

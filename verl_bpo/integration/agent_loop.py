@@ -206,17 +206,17 @@ class BPOTreeAgentLoop(AgentLoopBase):
         where = self._row_task(row, tree_id)
         policy = None
         if state is None:
-            config, n_leaves = dataclasses.replace(config, mode=Mode.flat), 1
+            config, rollout_n = dataclasses.replace(config, mode=Mode.flat), 1
         else:
             sessions = int(state["sessions"])
-            n_leaves = min(self.rollout_config.n, sessions)
-            if sessions > n_leaves:  # a turn- or token-budget tree: one session per leaf it may grow
+            rollout_n = min(self.rollout_config.n, sessions)
+            if sessions > rollout_n:  # a turn- or token-budget tree: one session per leaf it may grow
                 config = dataclasses.replace(config, learned=dataclasses.replace(config.learned, max_leaves=sessions))
             policy = ForkPolicy(config)
             policy.load_state_dict(state["policy"])
         budget = where.budget if state is not None else None  # a training tree's budget from its row, if any
         sampler = TreeSampler(
-            config, n_leaves, self.rollout_config.response_length, await self._sandbox_factory(where), where.task,
+            config, rollout_n, self.rollout_config.response_length, await self._sandbox_factory(where), where.task,
             self.server_manager,
             self.make_codec(), tree_id=tree_id, sampling_params=sampling_params, policy=policy,
             # str hash() is salted per process; crc32 makes the sandbox seeds a pure function of the uid.

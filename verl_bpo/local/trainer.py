@@ -48,7 +48,7 @@ class LocalRLConfig:
 
     Attributes:
         estimator: verl advantage estimator name: ``bpo`` (trees) or a flat baseline (``grpo``, ``rloo``).
-        n_leaves: leaves (rollouts) per task: verl's ``rollout.n``. Default 8.
+        rollout_n: leaves (rollouts) per task: verl's ``rollout.n``. Default 8.
         batch_size: tasks per policy update: verl's ``data.train_batch_size``. Default 4.
         lr: AdamW learning rate. Default 1e-3.
         adam_eps: AdamW's ``eps`` (verl: ``actor.optim.override_optimizer_config.eps``). Default 1e-8, torch's.
@@ -59,11 +59,11 @@ class LocalRLConfig:
         loss_agg_mode: verl's ``actor.loss_agg_mode``. Default ``seq-mean-token-sum-norm`` (the plugin's default).
         gamma: ``algorithm.gamma``. Default 1.0.
         temperature: sampling temperature. Default 1.0.
-        bpo: the ``bpo:`` block (``k``, ``k0``, ``max_turns``, ``max_tokens_per_turn``, ...), as in verl's config.
+        bpo: the ``bpo:`` block (``allocation``, ``fixed``, ``learned``, ``max_turns``, ...), as in verl's config.
     """
 
     estimator: str = "bpo"
-    n_leaves: int = 8
+    rollout_n: int = 8
     batch_size: int = 4
     lr: float = 1e-3
     adam_eps: float = 1e-8
@@ -124,11 +124,11 @@ class LocalRL:
         self.updates = 0
 
     # --- rollout ------------------------------------------------------------------------------------------------
-    def rollout(self, tasks: Sequence[Mapping[str, Any]], n_leaves: int | None = None,
+    def rollout(self, tasks: Sequence[Mapping[str, Any]], rollout_n: int | None = None,
                 estimator: str | None = None, budgets: Sequence[float] | None = None) -> list[TreeResult]:
         """One tree (or flat group) per task, all grown concurrently so their turns batch together. ``budgets``:
         each task's tree budget under a learned allocation (``None``: learned from earlier trees)."""
-        n = n_leaves or self.config.n_leaves
+        n = rollout_n or self.config.rollout_n
         estimator = estimator or self.config.estimator
         config = self.bpo.for_estimator(estimator)
         policy = self.policies.setdefault(estimator, ForkPolicy(config))
@@ -148,7 +148,7 @@ class LocalRL:
 
     def evaluate(self, tasks: Sequence[Mapping[str, Any]], episodes_per_task: int = 2) -> float:
         """Success rate of independent sampled episodes (flat groups) on ``tasks``."""
-        results = self.rollout(tasks, n_leaves=episodes_per_task, estimator="grpo")
+        results = self.rollout(tasks, rollout_n=episodes_per_task, estimator="grpo")
         return float(np.mean([r.metrics["bpo/success_rate"] for r in results]))
 
     # --- update -------------------------------------------------------------------------------------------------

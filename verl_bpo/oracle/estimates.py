@@ -27,7 +27,7 @@ from verl_bpo.rollout.tree_state import Leaf, TreeResult
 __all__ = ["sample_trees", "tree_gradients", "mean_turns"]
 
 
-def sample_trees(problem_name: str, problem_args: dict, config: BPOConfig, n_leaves: int, n_trees: int,
+def sample_trees(problem_name: str, problem_args: dict, config: BPOConfig, rollout_n: int, n_trees: int,
                  seed: int = 0, fail_prob: float = 0.0, policy: ForkPolicy | None = None,
                  concurrency: int = 64) -> list[TreeResult]:
     """``n_trees`` trees of ``config`` (mode resolved) on the named problem, grown ``concurrency`` at a time."""
@@ -39,7 +39,7 @@ def sample_trees(problem_name: str, problem_args: dict, config: BPOConfig, n_lea
     length = 2 * mdp.horizon + 2
 
     async def grow(i: int) -> TreeResult:
-        sampler = TreeSampler(config, n_leaves, length, lambda: TabularSandbox(sandbox), {}, llm, codec,
+        sampler = TreeSampler(config, rollout_n, length, lambda: TabularSandbox(sandbox), {}, llm, codec,
                               tree_id=f"t{seed}-{i}", policy=policy, seed=seed * 10**7 + i)
         return await sampler.run()
 
