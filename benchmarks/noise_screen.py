@@ -15,13 +15,15 @@ reaches after T updates, over T, for several T.
 
 What it leaves out, and so why it is a screen: the policy moves during training, and as success rises the gradient's
 signal grows (the task becomes step-bound), so the warm start's ratio is a lower bound on a run's; collapses (a
-step that breaks the warm start) do not show. ``benchmarks/adam_noise_floor.py`` gives the optimizer's floor
-(1/sqrt(2) = 0.707). A task is still qualified only by its trained control.
+step that breaks the warm start) do not show. ``--after-updates K`` screens at the weights a seed's RLOO run has
+after K updates instead, to see how the ratio moves as training raises success. ``benchmarks/adam_noise_floor.py``
+gives the Gaussian model's floor (1/sqrt(2) = 0.707). A task is still qualified only by its trained control.
 
-    python benchmarks/noise_screen.py --task hard_late [--batch 1] [--lr 7e-4] [--draws 96] [--seed 0]
+    python benchmarks/noise_screen.py --task hard_late [--batch 1] [--lr 7e-4] [--draws 96] [--seed 0] [--after-updates 0]
 
 Last line: one JSON object: ``ratio_by_updates`` (T -> predicted RLOO-2N/RLOO updates), ``snr_rloo`` and
-``snr_rloo_2n`` (‖E ĝ‖² / tr Cov ĝ), the settings, and ``wall_s``.
+``snr_rloo_2n`` (‖E ĝ‖² / tr Cov ĝ), ``success_rloo`` (the mean success of RLOO's drawn batches), the settings,
+and ``wall_s``.
 """
 
 from __future__ import annotations
@@ -41,17 +43,37 @@ BETAS = (0.9, 0.999)
 GRAD_CLIP = 1.0  # verl's actor.grad_clip, as LocalRL clips
 
 
-def draw_gradients(model_dir: Path, task, rollout_n: int, draws: int, lr: float, seed: int) -> np.ndarray:
-    """``draws`` RLOO batch gradients (of the loss: descent direction is minus) at the warm start, one row each;
-    ``seed`` picks the task order and the trees' seeds, as a learning seed does."""
+def draw_gradients(model_dir: Path, task, rollout_n: int, draws: int, lr: float, seed: int
+                   ) -> tuple[np.ndarray, float]:
+    """``draws`` RLOO batch gradients (of the loss: descent direction is minus) at ``model_dir``'s weights, one row
+    each, and the mean success of the batches drawn; ``seed`` picks the task order and the trees' seeds, as a
+    learning seed does."""
     rl = trainer(model_dir, task, "rloo", seed, {}, ADAM_EPS, lr, rollout_n)
     order = task_order(task, seed)
-    rows = []
+    rows, success = [], []
     for d in range(draws):
         rl.updates = d  # a fresh tree seed per draw; the weights never change
-        rl.gradient(rl.rollout(update_batch(order, d, task.batch)))
+        results = rl.rollout(update_batch(order, d, task.batch))
+        rl.gradient(results)
         rows.append(rl.flat_gradient().astype(np.float32))
-    return np.stack(rows)
+        success.extend(r.metrics["bpo/success_rate"] for r in results)
+    return np.stack(rows), float(np.mean(success))
+
+
+def trained_weights(model_dir: Path, task, updates: int, lr: float, seed: int, out: Path) -> Path:
+    """The weights after ``updates`` RLOO updates from the warm start (seed ``seed``'s tasks, as its learning run
+    trains), saved with the tokenizer under ``out``: where the screen looks later in a run."""
+    import shutil
+
+    target = out / f"{task.name}-rloo-b{task.batch}-lr{lr:g}-s{seed}-u{updates}"
+    if not (target / "config.json").exists():
+        rl = trainer(model_dir, task, "rloo", seed, {}, ADAM_EPS, lr, N_LEAVES)
+        order = task_order(task, seed)
+        for u in range(updates):
+            rl.step(update_batch(order, u, task.batch))
+        shutil.copytree(model_dir, target, dirs_exist_ok=True)
+        rl.model.save_pretrained(target)
+    return target
 
 
 def adam_progress(draws: np.ndarray, mean_grad: np.ndarray, updates: int, lr: float, eps: float, sims: int,
@@ -107,6 +129,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the task's)")
     parser.add_argument("--draws", type=int, default=96, help="batch gradients per estimator")
     parser.add_argument("--seed", type=int, default=0, help="task order and tree seeds (another seed: how it varies)")
+    parser.add_argument("--after-updates", type=int, default=0,
+                        help="screen after this many RLOO updates of the seed's run instead of at the warm start")
     parser.add_argument("--sims", type=int, default=32, help="simulated AdamW runs per half")
     parser.add_argument("--horizons", type=int, nargs="+", default=[4, 8, 16, 24, 36])
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
@@ -115,8 +139,11 @@ def main() -> None:
     task = dataclasses.replace(TASKS[args.task], batch=args.batch or TASKS[args.task].batch)
     lr = args.lr or task.lr
     model_dir = task_model(args.out.resolve(), task)
-    draws = {"rloo": draw_gradients(model_dir, task, N_LEAVES, args.draws, lr, args.seed),
-             "rloo_2n": draw_gradients(model_dir, task, 2 * N_LEAVES, args.draws, lr, args.seed)}
+    if args.after_updates:
+        model_dir = trained_weights(model_dir, task, args.after_updates, lr, args.seed, args.out.resolve())
+    (rloo, success), (control, _) = (draw_gradients(model_dir, task, n, args.draws, lr, args.seed)
+                                     for n in (N_LEAVES, 2 * N_LEAVES))
+    draws = {"rloo": rloo, "rloo_2n": control}
     snr = {name: round(signal_to_noise(g.astype(np.float64) @ g.T.astype(np.float64)), 4)
            for name, g in draws.items()}
     horizon = 3 * max(args.horizons)  # room for the control to catch up
@@ -125,7 +152,8 @@ def main() -> None:
     for t, r in ratios.items():
         print(f"{args.task} batch {task.batch} lr {lr:g}: RLOO's progress after {t:>2} updates, RLOO-2N in "
               f"{r:.3f}x the updates", flush=True)
-    print(json.dumps({"task": args.task, "batch": task.batch, "lr": lr, "draws": args.draws, "seed": args.seed, "sims": args.sims,
+    print(json.dumps({"task": args.task, "batch": task.batch, "lr": lr, "draws": args.draws, "seed": args.seed,
+                      "after_updates": args.after_updates, "success_rloo": round(success, 4), "sims": args.sims,
                       "ratio_by_updates": ratios, "snr_rloo": snr["rloo"], "snr_rloo_2n": snr["rloo_2n"],
                       "wall_s": round(time.monotonic() - start, 1)}))
 
