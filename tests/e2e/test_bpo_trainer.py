@@ -28,8 +28,12 @@ pytestmark = [
 ]
 
 N = 4
-SMOKE = {"length": 3, "max_steps": 4, "key_reward": 0.5}
-TASKS = [{"task_id": i} for i in range(8)]
+# 16 tasks, 8 trees per step: about half of this warm start's trees tie (every leaf the same return), so with 4
+# trees per step both steps held no signal once in a few runs (measured with the local trainer: tie rate 0.50 per
+# tree); 16 trees make that about 1e-5.
+SMOKE = {"length": 3, "max_steps": 4, "key_reward": 0.5, "num_tasks": 16}
+TASKS = [{"task_id": i} for i in range(16)]
+TREES_PER_STEP = 8
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,7 @@ def run(setup, estimator: str, *bpo: str, label: str | None = None):
     root, model, data = setup
     out = root / (label or estimator)
     overrides = cpu_launch.cpu_overrides(
-        model, data, data, output_dir=out, n=N, batch_size=4, steps=2, adv_estimator=estimator,
+        model, data, data, output_dir=out, n=N, batch_size=TREES_PER_STEP, steps=2, adv_estimator=estimator,
         max_prompt_length=192, max_response_length=256, lr=1e-3,
         extra=["bpo.max_turns=4", "bpo.max_tokens_per_turn=6", "bpo.fixed.k=2", "bpo.fixed.k0=2",
                "bpo.sandbox.name=smoke", *(f"+bpo.sandbox.config.{k}={v}" for k, v in SMOKE.items()), *bpo],
@@ -71,10 +75,19 @@ def test_bpo_trains_on_trees_and_grpo_on_flat_groups_through_verl_bpo_main(setup
     # Shared prefixes: the trees generated fewer turns than flat groups of the same N leaves.
     assert sum(bpo[s]["bpo/env_steps"] for s in (1, 2)) < sum(grpo[s]["bpo/env_steps"] for s in (1, 2))
     for name, metrics in (("bpo", bpo), ("grpo", grpo)):
-        advantages = [max(abs(metrics[s]["critic/advantages/max"]), abs(metrics[s]["critic/advantages/min"]))
-                      for s in (1, 2)]
-        assert max(advantages) > 0, f"{name}: all advantages zero: {advantages}"
+        advantages = [largest_advantage(metrics[s]) for s in (1, 2)]
+        scores = [(metrics[s]["critic/score/min"], metrics[s]["critic/score/max"]) for s in (1, 2)]
+        assert max(advantages) > 0, f"{name}: all advantages zero: {advantages}; scores (min, max) {scores}"
         assert max(metrics[s]["actor/grad_norm"] for s in (1, 2)) > 0, f"{name}: zero gradients"
+    # What the estimator found (sibling groups whose returns differ) reached verl's batch as advantages.
+    for s in (1, 2):
+        tied = bpo[s]["bpo/zero_advantage_group_share"]
+        assert (tied < 1.0) == (largest_advantage(bpo[s]) > 0), f"step {s}: tied share {tied}, {bpo[s]}"
+
+
+def largest_advantage(step: dict[str, float]) -> float:
+    """The largest |advantage| in a step's training batch, from verl's own metrics."""
+    return max(abs(step["critic/advantages/max"]), abs(step["critic/advantages/min"]))
 
 
 def verls_batch_rows(step: dict[str, float]) -> int:

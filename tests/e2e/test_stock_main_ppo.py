@@ -27,8 +27,10 @@ pytestmark = [
 ]
 
 N = 4
-SMOKE = {"length": 3, "max_steps": 4, "key_reward": 0.5}
-TASKS = [{"task_id": i} for i in range(8)]
+# 16 tasks, 8 trees per step, as in test_bpo_trainer.py: with 4 trees per step, every tree of both steps tied
+# (no advantage anywhere) about once in a few runs.
+SMOKE = {"length": 3, "max_steps": 4, "key_reward": 0.5, "num_tasks": 16}
+TASKS = [{"task_id": i} for i in range(16)]
 BPO = {"max_turns": 4, "max_tokens_per_turn": 6}
 FIXED = {"k": 2, "k0": 2}
 HOOK_LINE = "verl-bpo: algorithm.adv_estimator=bpo through verl's main_ppo"
@@ -69,7 +71,7 @@ def setup(tmp_path_factory):
 def train(root, name, model, data, *, adv_estimator, extra=(), first=()):
     out = root / name
     overrides = cpu_launch.cpu_overrides(
-        model, data, data, output_dir=out, n=N, batch_size=4, steps=2, adv_estimator=adv_estimator,
+        model, data, data, output_dir=out, n=N, batch_size=8, steps=2, adv_estimator=adv_estimator,
         max_prompt_length=192, max_response_length=256, lr=1e-3, extra=extra,
     )
     if adv_estimator is None:  # the YAML sets it
