@@ -92,7 +92,7 @@ ESTIMATORS = ("bpo", "grpo", "rloo")
 BASELINES = ("grpo", "rloo")
 CONTROL = "rloo_2n"  # RLOO with 2N rollouts per task: half RLOO's variance per update, twice its tokens
 REFERENCE_TASKS = ("late", "early")  # step-bound at their learning rate: the reference, not the default run
-N_LEAVES, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 384, 6
+ROLLOUT_N, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 384, 6
 ADAM_EPS = 1e-5  # torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)
 MAX_LEAVES, BPO_WARMUP_TREES = 32, 8  # the defaults of --max-leaves and --bpo-warmup-trees
 QUALIFY_MAX_RATIO = 0.75  # RLOO-2N's updates to target over RLOO's at most this (and its CI95 below 1) to qualify
@@ -144,7 +144,7 @@ def update_batch(order: list[dict[str, int]], update: int, batch: int) -> list[d
 
 
 def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,
-            adam_eps: float = ADAM_EPS, lr: float | None = None, rollout_n: int = N_LEAVES) -> LocalRL:
+            adam_eps: float = ADAM_EPS, lr: float | None = None, rollout_n: int = ROLLOUT_N) -> LocalRL:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,7 +159,7 @@ def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: di
 
 
 def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: argparse.Namespace, updates: int,
-              budgets: list[list[float]] | None = None, rollout_n: int = N_LEAVES) -> dict:
+              budgets: list[list[float]] | None = None, rollout_n: int = ROLLOUT_N) -> dict:
     """One training run of ``updates`` updates; ``budgets[u]``: the token budget of each task's tree at update
     ``u`` (BPO at matched tokens), ``None``: learned from the run's own earlier trees."""
     t0 = time.monotonic()
@@ -461,7 +461,7 @@ def main() -> None:
         # The control alone decides whether the task qualifies, before any BPO run: RLOO's warm-start gradient
         # noise, then RLOO and RLOO with 2N rollouts on every seed.
         rloo_grads = pool.submit(gradient_draws, model_dir, task, "rloo", args.grad_draws, 0, tree)
-        train([(e, seed, {"rollout_n": 2 * N_LEAVES} if e == CONTROL else {})
+        train([(e, seed, {"rollout_n": 2 * ROLLOUT_N} if e == CONTROL else {})
                for seed in range(args.seeds) for e in ("rloo", CONTROL)])
         grads = {"rloo": rloo_grads.result()}
         censored = updates + args.eval_every
@@ -499,7 +499,7 @@ def main() -> None:
                    "qualified": {t: result[f"{t}_qualified"] for t in args.tasks}, "control_only": args.control_only,
                    "seeds": args.seeds, "updates": {t: args.updates or TASKS[t].updates for t in args.tasks},
                    "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},
-                   "rollout_n": N_LEAVES, "batch": {t: args.batch or TASKS[t].batch for t in args.tasks},
+                   "rollout_n": ROLLOUT_N, "batch": {t: args.batch or TASKS[t].batch for t in args.tasks},
                    "max_leaves": args.max_leaves, "bpo_warmup_trees": args.bpo_warmup_trees,
                    "adam_eps": args.adam_eps, "match": args.match, "control": list(args.tasks),
                    "qualify_rule": QUALIFY_RULE, "wall_s": round(time.monotonic() - start)})

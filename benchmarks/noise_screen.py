@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from learning import ADAM_EPS, N_LEAVES, signal_to_noise, task_order, trainer, update_batch
+from learning import ADAM_EPS, ROLLOUT_N, signal_to_noise, task_order, trainer, update_batch
 
 from verl_bpo.demo.tasks import TASKS, task_model
 
@@ -67,7 +67,7 @@ def trained_weights(model_dir: Path, task, updates: int, lr: float, seed: int, o
 
     target = out / f"{task.name}-rloo-b{task.batch}-lr{lr:g}-s{seed}-u{updates}"
     if not (target / "config.json").exists():
-        rl = trainer(model_dir, task, "rloo", seed, {}, ADAM_EPS, lr, N_LEAVES)
+        rl = trainer(model_dir, task, "rloo", seed, {}, ADAM_EPS, lr, ROLLOUT_N)
         order = task_order(task, seed)
         for u in range(updates):
             rl.step(update_batch(order, u, task.batch))
@@ -142,7 +142,7 @@ def main() -> None:
     if args.after_updates:
         model_dir = trained_weights(model_dir, task, args.after_updates, lr, args.seed, args.out.resolve())
     (rloo, success), (control, _) = (draw_gradients(model_dir, task, n, args.draws, lr, args.seed)
-                                     for n in (N_LEAVES, 2 * N_LEAVES))
+                                     for n in (ROLLOUT_N, 2 * ROLLOUT_N))
     draws = {"rloo": rloo, "rloo_2n": control}
     snr = {name: round(signal_to_noise(g.astype(np.float64) @ g.T.astype(np.float64)), 4)
            for name, g in draws.items()}

@@ -42,7 +42,7 @@ from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.demo.tasks import TASKS, task_model
 from verl_bpo.platforms import cpu_launch
 
-N_LEAVES, TASKS_PER_STEP = 8, 4
+ROLLOUT_N, TASKS_PER_STEP = 8, 4
 ALLOCATION = {"allocation": "learned", "budget": "tokens", "max_leaves": 16, "warmup_trees": 8,
               "explore_share": 0.1}
 RUNS = {"bpo_packed": ("bpo", ["bpo.packed=true"]), "bpo_leaf": ("bpo", ["bpo.packed=false"]), "grpo": ("grpo", [])}
@@ -79,7 +79,7 @@ def run(model: Path, setup: dict, label: str, out: Path, steps: int, from_logs: 
     estimator, extra = RUNS[label]
     bpo = {"max_turns": setup["max_turns"], "max_tokens_per_turn": setup["max_tokens_per_turn"], **ALLOCATION}
     overrides = cpu_launch.cpu_overrides(
-        model, setup["data"], setup["data"], output_dir=out, n=N_LEAVES, batch_size=TASKS_PER_STEP, steps=steps,
+        model, setup["data"], setup["data"], output_dir=out, n=ROLLOUT_N, batch_size=TASKS_PER_STEP, steps=steps,
         adv_estimator=estimator, max_prompt_length=setup["prompt"], max_response_length=setup["response"],
         lr=setup["lr"],
         extra=[*(f"bpo.{k}={v}" for k, v in bpo.items()), f"bpo.sandbox.name={setup['sandbox']}",

@@ -31,7 +31,7 @@ from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.demo.tasks import TASKS, task_model
 from verl_bpo.platforms import cpu_launch
 
-N_LEAVES, MAX_TURNS = 8, 8
+ROLLOUT_N, MAX_TURNS = 8, 8
 RATIOS = ("env_steps_per_leaf", "gen_tokens_per_leaf", "wall")
 BREAKDOWN = ("generate_s", "sandbox_s", "fork_s", "wait_s")
 BREAKDOWN_WIDTHS = dict(zip(BREAKDOWN, (8, 8, 6, 6)))  # printed columns
@@ -61,7 +61,7 @@ SANDBOXES = {"textworld": textworld_tasks, "alfworld": alfworld_tasks}
 
 def run_once(model: Path, data: Path, sandbox: str, estimator: str, out: Path, tasks: int, selector: str) -> dict:
     overrides = cpu_launch.cpu_overrides(
-        model, data, data, output_dir=out, n=N_LEAVES, batch_size=tasks, steps=1, adv_estimator=estimator,
+        model, data, data, output_dir=out, n=ROLLOUT_N, batch_size=tasks, steps=1, adv_estimator=estimator,
         max_prompt_length=1024, max_response_length=1536, lr=1e-4,
         extra=[f"bpo.max_turns={MAX_TURNS}", "bpo.max_tokens_per_turn=8", "bpo.fixed.k=2", "bpo.fixed.k0=2",
                f"bpo.fixed.selector={selector}", "bpo.fixed.max_forks_per_wave=1",
@@ -117,7 +117,7 @@ def main() -> None:
                for k in RATIOS}
     all_walls = [w for v in by_sandbox.values() for w in v["wall_ratios"]]
     summary["wall_spread"] = [min(all_walls), max(all_walls)]
-    print(json.dumps({**summary, "by_sandbox": by_sandbox, "rollout_n": N_LEAVES, "tasks": args.tasks,
+    print(json.dumps({**summary, "by_sandbox": by_sandbox, "rollout_n": ROLLOUT_N, "tasks": args.tasks,
                       "repeats": args.repeats, "selector": args.selector}))
 
 

@@ -39,14 +39,14 @@ from verl_bpo.oracle.estimates import mean_turns, sample_trees, tree_gradients
 from verl_bpo.oracle.mdp import problem
 from verl_bpo.oracle.policy import TabularCodec
 
-N_LEAVES, HORIZON = 16, 8
+ROLLOUT_N, HORIZON = 16, 8
 REGIMES = ("late", "early")
 
 
 def configs(warmup: int, explore_share: float) -> dict[str, BPOConfig]:
     return {
         "bpo": BPOConfig(mode="tree", allocation="learned", max_turns=HORIZON,
-                         learned=LearnedAllocation(budget_unit="turns", max_leaves=8 * N_LEAVES, warmup_trees=warmup,
+                         learned=LearnedAllocation(budget_unit="turns", max_leaves=8 * ROLLOUT_N, warmup_trees=warmup,
                                                    explore_share=explore_share)),
         "fixed": BPOConfig(mode="tree", max_turns=HORIZON,
                            fixed=FixedAllocation(k0=2, k=8, selector="quantile", score="next_token_entropy")),
@@ -65,7 +65,7 @@ def cell(grads: np.ndarray, turns: float, rows: float) -> dict[str, float]:
 def measure(regime: str, name: str, config: BPOConfig, n_trees: int, burn: int, seed: int) -> dict[str, dict]:
     mdp, theta = problem(regime)
     policy = ForkPolicy(config)
-    results = sample_trees(regime, {}, config, N_LEAVES, burn + n_trees, seed=seed, policy=policy)[burn:]
+    results = sample_trees(regime, {}, config, ROLLOUT_N, burn + n_trees, seed=seed, policy=policy)[burn:]
     trees = [r.leaves for r in results]
     turns, rows = mean_turns(trees), float(np.mean([len(t) for t in trees]))
     codec = TabularCodec(mdp)
@@ -87,7 +87,7 @@ def main() -> None:
     n_trees = args.trees or (3000 if args.quick else 20000)
 
     results: dict[str, dict[str, dict[str, float]]] = {}
-    print(f"N = {N_LEAVES}, horizon {HORIZON}, {n_trees} trees per cell, seed {args.seed}")
+    print(f"N = {ROLLOUT_N}, horizon {HORIZON}, {n_trees} trees per cell, seed {args.seed}")
     print(f"{'regime':7s} {'estimator':9s} {'turns':>7s} {'rows':>6s} {'trCov':>9s} {'x turns':>9s} {'x rows':>9s} "
           f"{'relative':>9s} {'secs':>6s}")
     for regime in REGIMES:
@@ -116,7 +116,7 @@ def main() -> None:
         summary[f"{regime}_fixed_over_rloo"] = ratio(regime, "fixed", "rloo", "turns_var")
     summary.update({f"{regime}_{est}_{key}": round(results[regime][est][key], 1)
                     for regime in REGIMES for est in ("bpo", "rloo") for key in ("turns", "rows")})
-    summary.update({"trees": n_trees, "rollout_n": N_LEAVES, "warmup": args.warmup,
+    summary.update({"trees": n_trees, "rollout_n": ROLLOUT_N, "warmup": args.warmup,
                     "explore_share": args.explore_share})
     print(json.dumps(summary))
 
