@@ -9,8 +9,9 @@ the learning benchmark's trainer and task (a fresh task batch and tree seed per 
 replays AdamW on them with the weights frozen at the warm start: each simulated update draws one measured batch
 gradient (with replacement), clips it as the trainer does, and takes torch's AdamW step (betas 0.9, 0.999, the
 benchmark's eps and the task's learning rate; weight decay left out). Progress after t updates is the first-order
-gain in expected return, −ḡ·Δθ, with ḡ the mean gradient estimated from the *other* half of the draws (cross-fit,
-so a draw never grades its own step). The predicted ratio is the updates RLOO-2N needs to reach the progress RLOO
+gain in expected return, −ḡ·Δθ, with ḡ the mean gradient estimated from the *other* half of both estimators' draws
+(cross-fit, so a draw never grades its own step; one yardstick for both, so its own error does not favour either).
+The predicted ratio is the updates RLOO-2N needs to reach the progress RLOO
 reaches after T updates, over T, for several T.
 
 What it leaves out, and so why it is a screen: the policy moves during training, and as success rises the gradient's
@@ -20,8 +21,10 @@ after K updates instead, to see how the ratio moves as training raises success. 
 gives the Gaussian model's floor (1/sqrt(2) = 0.707). A task is still qualified only by its trained control.
 
     python benchmarks/noise_screen.py --task hard_late [--batch 1] [--lr 7e-4] [--draws 96] [--seed 0] [--after-updates 0]
+                                      [--doors 16] [--invalid-penalty 0]
 
-Last line: one JSON object: ``ratio_by_updates`` (T -> predicted RLOO-2N/RLOO updates), ``snr_rloo`` and
+Last line: one JSON object: ``ratio_by_updates`` (T -> predicted RLOO-2N/RLOO updates), the same from each half of
+the draws alone (``ratio_by_updates_per_half``: their spread shows the screen's own noise), ``snr_rloo`` and
 ``snr_rloo_2n`` (‖E ĝ‖² / tr Cov ĝ), ``success_rloo`` (the mean success of RLOO's drawn batches), the settings,
 and ``wall_s``.
 """
@@ -97,12 +100,16 @@ def adam_progress(draws: np.ndarray, mean_grad: np.ndarray, updates: int, lr: fl
     return progress
 
 
-def cross_fit_progress(draws: np.ndarray, updates: int, lr: float, eps: float, sims: int) -> np.ndarray:
-    """:func:`adam_progress` replaying one half of the draws, graded by the other half's mean, both ways, averaged."""
-    half = len(draws) // 2
-    a, b = draws[:half], draws[half:]
-    return (adam_progress(a, b.mean(0), updates, lr, eps, sims, seed=1)
-            + adam_progress(b, a.mean(0), updates, lr, eps, sims, seed=2)) / 2
+def cross_fit_progress(draws: dict[str, np.ndarray], updates: int, lr: float, eps: float, sims: int
+                       ) -> dict[str, np.ndarray]:
+    """:func:`adam_progress` of each half of each estimator's draws, shape ``(2, updates)`` per estimator. Half h of
+    every estimator is graded by one yardstick: the mean of the *other* half of every estimator's draws (all estimate
+    the same gradient), so a draw never grades its own step and the estimators are compared on the same ruler."""
+    halves = {name: (g[: len(g) // 2], g[len(g) // 2:]) for name, g in draws.items()}
+    yardsticks = [np.concatenate([h[1 - i] for h in halves.values()]).mean(0, dtype=np.float64).astype(np.float32)
+                  for i in (0, 1)]
+    return {name: np.stack([adam_progress(h[i], yardsticks[i], updates, lr, eps, sims, seed=1 + i) for i in (0, 1)])
+            for name, h in halves.items()}
 
 
 def updates_to_reach(progress: np.ndarray, level: float) -> float:
@@ -122,6 +129,17 @@ def predicted_ratios(rloo: np.ndarray, control: np.ndarray, horizons: list[int])
     return {str(t): round(updates_to_reach(control, rloo[t - 1]) / t, 4) for t in horizons if t <= len(rloo)}
 
 
+def variant(task, doors: int | None, invalid_penalty: float | None):
+    """``task`` with another door count (a tokenizer of its own, ``doors<N>``) or invalid-action penalty; its name
+    says which (``hard_late_doors16_penalty0``), so its warm start is cached apart from the task's."""
+    config, name, vocabulary = dict(task.sandbox_config), task.name, task.vocabulary
+    if doors is not None and doors != config.get("doors"):
+        config["doors"], name, vocabulary = doors, f"{name}_doors{doors}", f"doors{doors}"
+    if invalid_penalty is not None and invalid_penalty != config.get("invalid_penalty"):
+        config["invalid_penalty"], name = invalid_penalty, f"{name}_penalty{invalid_penalty:g}"
+    return dataclasses.replace(task, name=name, sandbox_config=config, vocabulary=vocabulary)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="hard_late", choices=list(TASKS))
@@ -131,12 +149,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="task order and tree seeds (another seed: how it varies)")
     parser.add_argument("--after-updates", type=int, default=0,
                         help="screen after this many RLOO updates of the seed's run instead of at the warm start")
+    parser.add_argument("--doors", type=int, default=None,
+                        help="a variant of the task with this many doors (its own tokenizer), e.g. sparser success")
+    parser.add_argument("--invalid-penalty", type=float, default=None,
+                        help="a variant of the task with this sandbox invalid_penalty (the task's: 0.1)")
     parser.add_argument("--sims", type=int, default=32, help="simulated AdamW runs per half")
     parser.add_argument("--horizons", type=int, nargs="+", default=[4, 8, 16, 24, 36])
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
     start = time.monotonic()
-    task = dataclasses.replace(TASKS[args.task], batch=args.batch or TASKS[args.task].batch)
+    task = variant(dataclasses.replace(TASKS[args.task], batch=args.batch or TASKS[args.task].batch),
+                   args.doors, args.invalid_penalty)
     lr = args.lr or task.lr
     model_dir = task_model(args.out.resolve(), task)
     if args.after_updates:
@@ -147,14 +170,16 @@ def main() -> None:
     snr = {name: round(signal_to_noise(g.astype(np.float64) @ g.T.astype(np.float64)), 4)
            for name, g in draws.items()}
     horizon = 3 * max(args.horizons)  # room for the control to catch up
-    progress = {name: cross_fit_progress(g, horizon, lr, ADAM_EPS, args.sims) for name, g in draws.items()}
-    ratios = predicted_ratios(progress["rloo"], progress["rloo_2n"], args.horizons)
+    progress = cross_fit_progress(draws, horizon, lr, ADAM_EPS, args.sims)
+    ratios = predicted_ratios(progress["rloo"].mean(0), progress["rloo_2n"].mean(0), args.horizons)
+    per_half = [predicted_ratios(progress["rloo"][i], progress["rloo_2n"][i], args.horizons) for i in (0, 1)]
     for t, r in ratios.items():
-        print(f"{args.task} batch {task.batch} lr {lr:g}: RLOO's progress after {t:>2} updates, RLOO-2N in "
-              f"{r:.3f}x the updates", flush=True)
-    print(json.dumps({"task": args.task, "batch": task.batch, "lr": lr, "draws": args.draws, "seed": args.seed,
-                      "after_updates": args.after_updates, "success_rloo": round(success, 4), "sims": args.sims,
-                      "ratio_by_updates": ratios, "snr_rloo": snr["rloo"], "snr_rloo_2n": snr["rloo_2n"],
+        print(f"{task.name} batch {task.batch} lr {lr:g}: RLOO's progress after {t:>2} updates, RLOO-2N in "
+              f"{r:.3f}x the updates (halves {per_half[0][t]:.3f}, {per_half[1][t]:.3f})", flush=True)
+    print(json.dumps({"task": task.name, "sandbox_config": dict(task.sandbox_config), "batch": task.batch, "lr": lr,
+                      "draws": args.draws, "seed": args.seed, "after_updates": args.after_updates,
+                      "success_rloo": round(success, 4), "sims": args.sims, "ratio_by_updates": ratios,
+                      "ratio_by_updates_per_half": per_half, "snr_rloo": snr["rloo"], "snr_rloo_2n": snr["rloo_2n"],
                       "wall_s": round(time.monotonic() - start, 1)}))
 
 

@@ -3,10 +3,10 @@ start (routine moves after).
 
 ``Config.decide_at="end"`` (default): the agent starts in room 1 of a corridor of ``Config.length`` rooms and walks
 east. The last room holds ``Config.doors`` doors (default 2: a red and a blue one; more take the next colors of
-:data:`PALETTE`: green, yellow, white, black, orange, purple) and a sign naming the right one (``Config.right_door``:
-the task id draws it among the doors, or one color for every task): opening it wins (reward 1.0), opening another
-loses (reward 0); either ends the episode, as does running out of ``Config.max_steps`` turns. Walking is routine;
-reading the sign is the one decision that matters, and it comes last.
+:data:`PALETTE`: green, yellow, white, black, orange, purple and eight more) and a sign naming the right one
+(``Config.right_door``: the task id draws it among the doors, or one color for every task): opening it wins (reward
+1.0), opening another loses (reward 0); either ends the episode, as does running out of ``Config.max_steps`` turns.
+Walking is routine; reading the sign is the one decision that matters, and it comes last.
 
 ``decide_at="start"``: the doors and the sign are in room 1, and each door opens onto its own corridor. The agent
 opens one, then walks east; reaching the corridor's last room ends the episode, won behind the right door (reward
@@ -43,7 +43,8 @@ from sandbox_adapters.registry import register_sandbox
 __all__ = ["SignpostSandbox", "ACTIONS", "COLORS", "PALETTE", "door_actions"]
 
 # The door colors, in the order doors take them: distinct single words (each one token for the demo's tokenizer).
-PALETTE: tuple[str, ...] = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")
+PALETTE: tuple[str, ...] = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple",
+                           "pink", "brown", "gray", "gold", "silver", "cyan", "teal", "violet")
 COLORS = PALETTE[:2]  # the doors of the default config
 
 
@@ -69,7 +70,7 @@ class SignpostSandbox(Sandbox):
             max_steps: turns after which the episode ends unwon (default 8); turns without a valid action count.
             invalid_penalty: reward subtracted for a turn without a valid action (default 0.0).
             doors: how many doors (default 2: red and blue); they take the first ``doors`` colors of
-                :data:`PALETTE` (2 to 8).
+                :data:`PALETTE` (2 to 16).
             right_door: ``task`` (default): the task id draws the right door among the doors, so the sign must be
                 read; a door's color (``red``, ``blue``, ...): that door for every task.
             decide_at: ``end`` (default): the doors are in the last room; ``start``: in the first, each opening onto

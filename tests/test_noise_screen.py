@@ -27,9 +27,9 @@ def draws(signal: float, noise: float, seed: int) -> np.ndarray:
 
 def ratios(rloo: np.ndarray, control: np.ndarray) -> dict[str, float]:
     horizons = [8, 16, 24]
-    progress = {name: screen.cross_fit_progress(g, 3 * max(horizons), LR, EPS, sims=16)
-                for name, g in (("rloo", rloo), ("control", control))}
-    return screen.predicted_ratios(progress["rloo"], progress["control"], horizons)
+    progress = screen.cross_fit_progress({"rloo": rloo, "control": control}, 3 * max(horizons), LR, EPS, sims=16)
+    assert all(p.shape == (2, 3 * max(horizons)) for p in progress.values())  # each half's own curve
+    return screen.predicted_ratios(progress["rloo"].mean(0), progress["control"].mean(0), horizons)
 
 
 def test_no_noise_no_saving():
@@ -53,3 +53,16 @@ def test_updates_to_reach_interpolates():
     assert screen.updates_to_reach(progress, 3.0) == pytest.approx(2.5)
     assert screen.updates_to_reach(progress, 0.5) == pytest.approx(0.5)
     assert screen.updates_to_reach(progress, 5.0) == float("inf")
+
+
+def test_a_variant_names_what_it_changes_and_keeps_the_rest():
+    from verl_bpo.demo.tasks import TASKS
+
+    task = TASKS["hard_late"]
+    assert screen.variant(task, None, None) == task
+    assert screen.variant(task, 8, 0.1) == task  # the task's own values: no variant
+    sparse = screen.variant(task, 16, 0.0)
+    assert sparse.name == "hard_late_doors16_penalty0" and sparse.vocabulary == "doors16"
+    assert sparse.sandbox_config == {**task.sandbox_config, "doors": 16, "invalid_penalty": 0.0}
+    assert (sparse.train_ids, sparse.eval_ids, sparse.lr, sparse.batch) == (task.train_ids, task.eval_ids, task.lr,
+                                                                           task.batch)

@@ -91,11 +91,13 @@ _HARD_EARLY = dataclasses.replace(_HARD_LATE, name="hard_early",
 TASKS = {task.name: task for task in (_LATE, _EARLY, _HARD_LATE, _HARD_EARLY)}
 
 
-def _corpus(vocabulary: str) -> list[str]:
+def _corpus(task: DemoTask) -> list[str]:
+    """The tokenizer's corpus for ``task``: the chats of every task sharing its vocabulary (its own, for a variant
+    with a vocabulary of its own)."""
     lines = default_corpus()
-    for task in (t for t in TASKS.values() if t.vocabulary == vocabulary):
-        chats = random_policy_chats(task.sandbox, task.sandbox_config, task.tasks(task.train_ids), 256,
-                                    task.max_turns, seed=1)
+    for member in [t for t in TASKS.values() if t.vocabulary == task.vocabulary] or [task]:
+        chats = random_policy_chats(member.sandbox, member.sandbox_config, member.tasks(member.train_ids), 256,
+                                    member.max_turns, seed=1)
         lines += [m["content"] for chat in chats for m in chat]
     return lines
 
@@ -103,6 +105,6 @@ def _corpus(vocabulary: str) -> list[str]:
 def task_model(out: Path, task: DemoTask) -> Path:
     """The tiny model warm-started on ``task`` (cached under ``out``): one tokenizer per ``task.vocabulary``."""
     folder = "tiny" if task.vocabulary == _LATE.vocabulary else f"tiny_{task.vocabulary}"
-    tiny = build_tiny_model(out / folder, corpus=_corpus(task.vocabulary))
+    tiny = build_tiny_model(out / folder, corpus=_corpus(task))
     return warm_start(tiny, out / f"tiny_warm_{task.name}", task.sandbox, task.tasks(task.train_ids),
                       dict(task.sandbox_config), **task.warm_start)
