@@ -11,8 +11,8 @@ gradient (with replacement), clips it as the trainer does, and takes torch's Ada
 benchmark's eps and the task's learning rate; weight decay left out). Progress after t updates is the first-order
 gain in expected return, −ḡ·Δθ, with ḡ the mean gradient estimated from the *other* half of both estimators' draws
 (cross-fit, so a draw never grades its own step; one yardstick for both, so its own error does not favour either).
-The predicted ratio is the updates RLOO-2N needs to reach the progress RLOO
-reaches after T updates, over T, for several T.
+The predicted ratio is the updates RLOO-2N needs to reach the progress RLOO reaches after T updates, over T, for
+several T.
 
 What it leaves out, and so why it is a screen: the policy moves during training, and as success rises the gradient's
 signal grows (the task becomes step-bound), so the warm start's ratio is a lower bound on a run's; collapses (a

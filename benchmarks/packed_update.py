@@ -43,8 +43,7 @@ from verl_bpo.demo.tasks import TASKS, task_model
 from verl_bpo.platforms import cpu_launch
 
 ROLLOUT_N, TASKS_PER_STEP = 8, 4
-ALLOCATION = {"allocation": "learned", "budget": "tokens", "max_leaves": 16, "warmup_trees": 8,
-              "explore_share": 0.1}
+LEARNED = {"budget_unit": "tokens", "max_leaves": 16, "warmup_trees": 8, "explore_share": 0.1}  # bpo.learned.*
 RUNS = {"bpo_packed": ("bpo", ["bpo.packed=true"]), "bpo_leaf": ("bpo", ["bpo.packed=false"]), "grpo": ("grpo", [])}
 TIMINGS = {"logprob_s": "timing_s/old_log_prob", "update_s": "timing_s/update_actor", "step_s": "timing_s/step"}
 
@@ -77,12 +76,13 @@ def run(model: Path, setup: dict, label: str, out: Path, steps: int, from_logs: 
     if from_logs:  # summarise a finished run again (e.g. with a changed summary), without training
         return cpu_launch.read_metrics(metrics_path)
     estimator, extra = RUNS[label]
-    bpo = {"max_turns": setup["max_turns"], "max_tokens_per_turn": setup["max_tokens_per_turn"], **ALLOCATION}
+    bpo = {"max_turns": setup["max_turns"], "max_tokens_per_turn": setup["max_tokens_per_turn"], "allocation": "learned"}
     overrides = cpu_launch.cpu_overrides(
         model, setup["data"], setup["data"], output_dir=out, n=ROLLOUT_N, batch_size=TASKS_PER_STEP, steps=steps,
         adv_estimator=estimator, max_prompt_length=setup["prompt"], max_response_length=setup["response"],
         lr=setup["lr"],
-        extra=[*(f"bpo.{k}={v}" for k, v in bpo.items()), f"bpo.sandbox.name={setup['sandbox']}",
+        extra=[*(f"bpo.{k}={v}" for k, v in bpo.items()), *(f"bpo.learned.{k}={v}" for k, v in LEARNED.items()),
+               f"bpo.sandbox.name={setup['sandbox']}",
                *(f"+bpo.sandbox.config.{k}={v}" for k, v in setup["config"].items()), *extra])
     result = cpu_launch.run_trainer(overrides, log_path=log, metrics_path=metrics_path, module="verl_bpo.main",
                                     timeout_s=2400, cwd=out.parent)
