@@ -344,9 +344,9 @@ def test_missing_rollout_log_probs_fail_loudly_and_close_every_sandbox():
     assert CountingSmoke.live == 0
 
 
-def test_success_and_return_are_mass_weighted():
+def test_success_return_and_turn_length_are_mass_weighted():
     """A tree over-samples the subtrees below its forks; Σ w·won is the policy's expected success, and a flat
-    group's plain mean (every mass 1/N), so the two compare directly."""
+    group's plain mean (every mass 1/N), so the two compare directly; so is its turn length."""
     from verl_bpo.core.leaf_meta import LeafMeta
     from verl_bpo.rollout.metrics import tree_metrics
     from verl_bpo.rollout.protocols import Transcript
@@ -358,8 +358,12 @@ def test_success_and_return_are_mass_weighted():
 
     leaves = [leaf((0, 1), 0.5, True), leaf((0, 2, 3), 0.25, False, True), leaf((0, 2, 4), 0.25, False)]
     plan = ForkPolicy(BPOConfig(mode="tree")).start_tree(3)
-    metrics = tree_metrics(TreeState("t"), leaves, plan, {})
+    state = TreeState("t")
+    state.turn_tokens = {1: 4.0, 2: 2.0, 3: 6.0, 4: 4.0}  # generated tokens of the turn into each node
+    metrics = tree_metrics(state, leaves, plan, {})
     assert metrics["bpo/success_rate"] == 0.5 and metrics["bpo/leaf_return"] == 0.5  # plain means would be 1/3
+    # the policy's turn length: 0.5·4 + 0.25·(2+6)/2 + 0.25·(2+4)/2; the tree's tokens per step, 16/4, is not it
+    assert metrics["bpo/turn_tokens"] == 3.75
     assert metrics["bpo/grading_tampered"] == 1.0  # counted, like failed leaves
 
 

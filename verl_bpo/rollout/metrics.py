@@ -4,6 +4,11 @@ Outcome metrics are mass-weighted: a tree's success rate is Σ_ℓ w_ℓ · won_
 policy (the tree over-samples the subtrees below forks; the masses undo it). A flat group's masses are all 1/N, so
 the same metric is a flat run's plain mean and the two compare directly.
 
+``turn_tokens`` is the policy's turn length, mass-weighted the same way: Σ_ℓ w_ℓ · (generated tokens per turn on
+ℓ's path). ``generated_tokens / env_steps`` is not: a tree generates its shared walk once and its forked turns once
+per child, so its ratio follows the tree's shape (a tree forked wide at a long last turn reads 2.9 where its policy's
+turns average 2.4).
+
 Cost metrics count what the tree spent, shared prefixes once: ``env_steps`` sandbox steps (one per generated
 turn), ``generated_tokens`` (probes included), ``restores``, and ``trainer_rows`` (leaf rows the trainer trains on).
 ``step_retries`` counts sandbox steps retried after a crash or hang (``bpo.step_retries``); ``failed_leaves`` the
@@ -42,6 +47,7 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Plan,
         "bpo/forks": float(state.forks),
         "bpo/success_rate": sum(leaf.mass * leaf.won for leaf in leaves),
         "bpo/leaf_return": sum(leaf.mass * leaf.reward for leaf in leaves),
+        "bpo/turn_tokens": sum(leaf.mass * _tokens_per_turn(state, leaf) for leaf in leaves),
         "bpo/failed_leaves": float(sum(leaf.failed for leaf in leaves)),
         "bpo/step_retries": float(state.step_retries),
         "bpo/truncated_leaves": float(sum(leaf.truncated for leaf in leaves)),
@@ -68,3 +74,9 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Plan,
         "bpo/fork_s": fork_s, "bpo/wait_s": max(state.branch_s - state.generate_s - sandbox_s - fork_s, 0.0),
     })
     return metrics
+
+
+def _tokens_per_turn(state: TreeState, leaf: Leaf) -> float:
+    """Generated tokens per turn along ``leaf``'s path (0 for a leaf that never took a turn)."""
+    turns = leaf.meta.node_path[1:]
+    return sum(state.turn_tokens.get(node, 0.0) for node in turns) / len(turns) if turns else 0.0
