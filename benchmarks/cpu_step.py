@@ -95,6 +95,26 @@ def torch_times(model_path: Path, batch: dict[str, list], repeats: int = 3) -> t
     return statistics.median(forward[1:]), statistics.median(update[1:])
 
 
+def overrides(model: Path, data: Path, out: Path, steps: int, capture: Path, extra: list[str]) -> list[str]:
+    """The trainer overrides of the measured run (tests compose and validate them)."""
+    from verl_bpo.demo.tasks import TASKS
+    from verl_bpo.platforms import cpu_launch
+
+    task = TASKS["late"]
+    return cpu_launch.cpu_overrides(
+        model, data, data, output_dir=out / "run", n=LEAVES, batch_size=BATCH, steps=steps, adv_estimator="bpo",
+        max_prompt_length=192, max_response_length=320, lr=1e-3,
+    ) + [
+        "bpo.fixed.k=2", "bpo.max_tokens_per_turn=6", f"bpo.max_turns={task.max_turns}",
+        f"bpo.sandbox.name={task.sandbox}",
+        *(f"+bpo.sandbox.config.{k}={v}" for k, v in task.sandbox_config.items()),
+        f"trainer.v1.sampler.custom_sampler.path={Path(__file__).resolve()}",
+        f"trainer.v1.sampler.custom_sampler.name={CaptureReplayBuffer.__name__}",
+        f"+trainer.v1.sampler.sampler_kwargs.capture_dir={capture}",
+        *extra,
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -115,19 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     capture.mkdir(parents=True, exist_ok=True)
     for old in capture.glob("*.pt"):
         old.unlink()
-    overrides = cpu_launch.cpu_overrides(
-        model, data, data, output_dir=out / "run", n=LEAVES, batch_size=BATCH, steps=args.steps, adv_estimator="bpo",
-        max_prompt_length=192, max_response_length=320, lr=1e-3,
-    ) + [
-        "bpo.fixed.k=2", "bpo.max_tokens_per_turn=6", f"bpo.max_turns={task.max_turns}",
-        f"bpo.sandbox.name={task.sandbox}",
-        *(f"+bpo.sandbox.config.{k}={v}" for k, v in task.sandbox_config.items()),
-        f"trainer.v1.sampler.custom_sampler.path={Path(__file__).resolve()}",
-        f"trainer.v1.sampler.custom_sampler.name={CaptureReplayBuffer.__name__}",
-        f"+trainer.v1.sampler.sampler_kwargs.capture_dir={capture}",
-        *args.extra,
-    ]
-    result = cpu_launch.run_trainer(overrides, log_path=out / "run" / "console.log", module="verl_bpo.main",
+    result = cpu_launch.run_trainer(overrides(model, data, out, args.steps, capture, args.extra),
+                                    log_path=out / "run" / "console.log", module="verl_bpo.main",
                                     timeout_s=900 + 60 * args.steps)
     if result.returncode != 0:
         raise SystemExit(f"trainer run failed (exit {result.returncode}):\n" + "\n".join(result.log.splitlines()[-40:]))

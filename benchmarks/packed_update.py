@@ -71,20 +71,25 @@ def textworld_setup(root: Path, steps: int) -> dict:
 SETUPS = {"demo": demo_setup, "textworld": textworld_setup}
 
 
-def run(model: Path, setup: dict, label: str, out: Path, steps: int, from_logs: bool) -> dict[int, dict[str, float]]:
-    log, metrics_path = out / "console.log", out / "metrics.jsonl"
-    if from_logs:  # summarise a finished run again (e.g. with a changed summary), without training
-        return cpu_launch.read_metrics(metrics_path)
+def overrides(model: Path, setup: dict, label: str, out: Path, steps: int) -> list[str]:
+    """The trainer overrides of run ``label`` (tests compose and validate them, so a renamed setting fails there)."""
     estimator, extra = RUNS[label]
     bpo = {"max_turns": setup["max_turns"], "max_tokens_per_turn": setup["max_tokens_per_turn"], "allocation": "learned"}
-    overrides = cpu_launch.cpu_overrides(
+    return cpu_launch.cpu_overrides(
         model, setup["data"], setup["data"], output_dir=out, n=ROLLOUT_N, batch_size=TASKS_PER_STEP, steps=steps,
         adv_estimator=estimator, max_prompt_length=setup["prompt"], max_response_length=setup["response"],
         lr=setup["lr"],
         extra=[*(f"bpo.{k}={v}" for k, v in bpo.items()), *(f"bpo.learned.{k}={v}" for k, v in LEARNED.items()),
                f"bpo.sandbox.name={setup['sandbox']}",
                *(f"+bpo.sandbox.config.{k}={v}" for k, v in setup["config"].items()), *extra])
-    result = cpu_launch.run_trainer(overrides, log_path=log, metrics_path=metrics_path, module="verl_bpo.main",
+
+
+def run(model: Path, setup: dict, label: str, out: Path, steps: int, from_logs: bool) -> dict[int, dict[str, float]]:
+    log, metrics_path = out / "console.log", out / "metrics.jsonl"
+    if from_logs:  # summarise a finished run again (e.g. with a changed summary), without training
+        return cpu_launch.read_metrics(metrics_path)
+    result = cpu_launch.run_trainer(overrides(model, setup, label, out, steps), log_path=log,
+                                    metrics_path=metrics_path, module="verl_bpo.main",
                                     timeout_s=2400, cwd=out.parent)
     if result.returncode != 0:
         tail = "\n".join(result.log.splitlines()[-30:])

@@ -59,15 +59,21 @@ def alfworld_tasks(root: Path, count: int) -> tuple[list[dict], dict]:
 SANDBOXES = {"textworld": textworld_tasks, "alfworld": alfworld_tasks}
 
 
-def run_once(model: Path, data: Path, sandbox: str, estimator: str, out: Path, tasks: int, selector: str) -> dict:
-    overrides = cpu_launch.cpu_overrides(
+def overrides(model: Path, data: Path, sandbox: str, estimator: str, out: Path, tasks: int, selector: str
+              ) -> list[str]:
+    """The trainer overrides of one measured step (tests compose and validate them)."""
+    return cpu_launch.cpu_overrides(
         model, data, data, output_dir=out, n=ROLLOUT_N, batch_size=tasks, steps=1, adv_estimator=estimator,
         max_prompt_length=1024, max_response_length=1536, lr=1e-4,
         extra=[f"bpo.max_turns={MAX_TURNS}", "bpo.max_tokens_per_turn=8", "bpo.fixed.k=2", "bpo.fixed.k0=2",
                f"bpo.fixed.selector={selector}", "bpo.fixed.max_forks_per_wave=1",
                f"bpo.sandbox.name={sandbox}", "actor_rollout_ref.rollout.seed=0", "data.seed=0"],
     )
-    result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main", timeout_s=1200)
+
+
+def run_once(model: Path, data: Path, sandbox: str, estimator: str, out: Path, tasks: int, selector: str) -> dict:
+    result = cpu_launch.run_trainer(overrides(model, data, sandbox, estimator, out, tasks, selector),
+                                    log_path=out / "console.log", module="verl_bpo.main", timeout_s=1200)
     if result.returncode != 0 or 1 not in result.metrics:
         tail = "\n".join(result.log.splitlines()[-30:])
         raise RuntimeError(f"{sandbox}/{estimator}: exit {result.returncode}; see {out / 'console.log'}\n{tail}")

@@ -8,6 +8,7 @@ this project's generated smoke data.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
@@ -408,3 +409,93 @@ def test_the_demo_reports_bpo_spend_against_grpo_on_the_same_tasks():
                      "bpo_spent_over_budget": 1.5}
     assert "generated tokens per task and update" in cpu_demo.MATCHED_COMPUTE
     assert cpu_demo.MATCHED_COMPUTE.replace("\n", " ") in " ".join(cpu_demo.__doc__.split())
+
+
+def test_the_demo_reruns_bpo_alone_on_an_earlier_demos_grpo_run(tmp_path, monkeypatch):
+    """``--grpo-from DIR``: BPO trains on the budgets of the GRPO run in DIR, GRPO does not train again, and the
+    table takes GRPO's row from DIR; ``--bpo-allocation fixed`` trains the fixed rule on the rows without budgets."""
+    demo = cpu_demo
+    earlier, steps = tmp_path / "earlier", 2
+    tasks = demo.TASK.tasks(demo.TASK.train_ids[: steps * demo.DemoSettings.batch_size])
+
+    def write_run(folder, tokens):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / demo.TREE_LOG).write_text("\n".join(grpo_tree_log(tasks, tokens=lambda i: tokens, per_step=4)))
+        metrics = {"bpo/success_rate": 0.5, "bpo/generated_tokens": tokens, "bpo/turn_tokens": tokens / 40.0,
+                   "bpo/trainer_rows": 8.0, "global_seqlen/mean": 4000.0}
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "data": metrics})
+                                                        for s in range(1, steps + 1)))
+        return demo.cpu_launch.RunResult(0, False, 5.0, 0.0, 0, "", demo.cpu_launch.read_metrics(
+            folder / "metrics.jsonl"))
+
+    write_run(earlier / "grpo", 100.0)
+    (earlier / "summary.json").write_text(json.dumps({"summary": {"grpo": {"wall_s": 123.0}}}))
+    trained = []
+
+    def fake_train(estimator, model, train_data, val_data, out, steps, settings, timeout_s=1800):
+        trained.append((estimator, model, pd.read_parquet(train_data).to_dict("records"), dict(settings.bpo)))
+        return write_run(out, 160.0)  # BPO's turns ran on: 4 tokens a turn
+
+    monkeypatch.setattr(demo, "task_model", lambda out, task: out / "tiny_warm_late")
+    monkeypatch.setattr(demo, "train", fake_train)
+    monkeypatch.setattr(demo, "plot_learning", lambda data, path: None)
+    monkeypatch.setattr(demo, "draw_logged_tree", lambda log, path: None)
+    out = tmp_path / "rerun"
+    demo.main(["--steps", str(steps), "--out", str(out), "--grpo-from", str(earlier)])
+    (estimator, model, rows, bpo), = trained
+    assert estimator == "bpo" and model == earlier / "tiny_warm_late" and bpo["allocation"] == "learned"
+    assert [r["extra_info"]["bpo_budget"] for r in rows] == [100.0] * len(tasks)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["summary"]["grpo"]["wall_s"] == 123.0 and summary["bpo_over_grpo_generated_tokens"] == 1.6
+    assert summary["curves"]["bpo"]["turn_tokens"] == [4.0, 4.0]
+    assert summary["summary"]["bpo"]["peak_turn_tokens"] == 4.0
+    assert summary["grpo_from"] == str(earlier / "grpo") and not (out / "grpo").exists()
+
+    trained.clear()
+    demo.main(["--steps", str(steps), "--out", str(out), "--grpo-from", str(earlier), "--bpo-allocation", "fixed"])
+    (_, _, rows, bpo), = trained
+    assert bpo == {"allocation": "fixed"} and all("bpo_budget" not in r["extra_info"] for r in rows)
+    assert json.loads((out / "summary.json").read_text())["matched"].startswith("leaves")
+    with pytest.raises(ValueError, match="--grpo-from: .* holds no finished GRPO run"):
+        demo.main(["--steps", str(steps), "--out", str(out), "--grpo-from", str(tmp_path / "none")])
+
+
+def _benchmark(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.mark.parametrize("name", ["packed_update", "rollout_cost", "cpu_step"])
+def test_each_benchmarks_trainer_overrides_compose_and_pass_the_checks_before_ray(name, tmp_path):
+    """A benchmark's verl run is built from the same settings users pass: a renamed or removed ``bpo.*`` key must
+    fail here, not after the benchmark has built its model."""
+    task = cpu_demo.TASK
+    data = write_sandbox_dataset(tmp_path / "train.parquet", sandbox_rows(
+        task.sandbox, task.tasks(range(8)), task.sandbox_config))
+    bench, model, out = _benchmark(name), tmp_path / "model", tmp_path / "out"
+    if name == "packed_update":
+        setup = bench.demo_setup(tmp_path, steps=2)
+        runs = [bench.overrides(model, setup, label, out / label, 2) for label in bench.RUNS]
+    elif name == "rollout_cost":
+        runs = [bench.overrides(model, data, task.sandbox, estimator, out, 4, "quantile")
+                for estimator in ("bpo", "grpo")]
+    else:
+        runs = [bench.overrides(model, data, out, 2, tmp_path / "batches", [])]
+    for overrides in runs:
+        cfg = compose_recipe(overrides)
+        bpo = prepare_config(cfg)
+        assert bpo.sandbox.name == task.sandbox and cfg.algorithm.adv_estimator in ("bpo", "grpo")
+
+
+def test_the_demos_task_charges_a_turn_that_runs_on():
+    """Left free, the turn format drifted to the token cap mid-run under every estimator tried in verl's trainer
+    (GRPO included); the demo's task charges a run-on reply, so the reward corrects that drift."""
+    from sandbox_adapters.registry import make_sandbox
+
+    box = make_sandbox(cpu_demo.TASK.sandbox, dict(cpu_demo.TASK.sandbox_config))
+    box.reset({"task_id": 0})
+    assert box.step("east").reward == 0.0 and box.step("east east east").reward < 0.0
+    box.close()

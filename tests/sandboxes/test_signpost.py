@@ -208,3 +208,22 @@ def test_invalid_door_counts_and_right_doors_are_refused():
     with pytest.raises(ValueError, match="right_door must be 'task' or one of the doors' colors"):
         SignpostSandbox.Config(doors=3, right_door="yellow")  # yellow is the fourth door
     assert SignpostSandbox.Config(doors=4, right_door="yellow").colors == ("red", "blue", "green", "yellow")
+
+
+def test_a_reply_that_runs_on_still_acts_and_pays_the_run_on_penalty():
+    box = SignpostSandbox(SignpostSandbox.Config(length=3, right_door="red", run_on_penalty=0.1))
+    box.reset({"task_id": 0})
+    first = box.step("east east east")  # a turn cut at its token limit
+    assert first.reward == -0.1 and first.info["ran_on"] and "Room 2." in first.observation.text  # it moved once
+    for clean in ("east", "action: east", "East."):
+        snap = box.snapshot()
+        assert box.step(clean).reward == 0.0
+        box.restore(snap)
+    box.step("east")
+    won = box.step("open red door open red")
+    assert won.done and won.info["won"] and won.reward == pytest.approx(0.9)
+    free = SignpostSandbox(SignpostSandbox.Config(length=3))  # the default charges nothing
+    free.reset({"task_id": 0})
+    assert free.step("east east east").reward == 0.0
+    with pytest.raises(ValueError, match="run_on_penalty must be >= 0"):
+        SignpostSandbox.Config(run_on_penalty=-0.1)

@@ -1,7 +1,7 @@
 """The CPU demo: BPO vs GRPO in verl's real trainer, at matched generated tokens per task and update, on an embedded
 sandbox, with a tiny model built locally.
 
-    python -m verl_bpo.demo [--steps 24] [--out runs/cpu_demo]
+    python -m verl_bpo.demo [--steps 24] [--out runs/cpu_demo] [--grpo-from DIR] [--bpo-allocation learned|fixed]
 
 Matched compute: generated tokens per task and update (each BPO tree's budget is what GRPO's group generated on
 that task). GRPO trains first; every training task appears once in the run (``--steps`` updates of 4 tasks, one
@@ -12,7 +12,8 @@ its shape on expected costs, so it spends around its budget, not exactly it: the
 
 1. builds a tiny Qwen2 + tokenizer locally and warm-starts it on the late-decision task
    (``verl_bpo.demo.tasks``: the signpost corridor — walk east five rooms, then open the right door): it walks
-   well and picks doors at random, so it succeeds a third to half of the time and the decisive choice comes last;
+   well and picks doors at random, so it succeeds a third to half of the time and the decisive choice comes last
+   (here a reply that runs on past its action pays 0.1, so the reward also holds the turn format);
 2. writes the training tasks and disjoint held-out tasks as verl parquet;
 3. trains with ``grpo`` (N independent rollouts through the ``bpo_tree`` agent loop in flat mode), then with
    ``algorithm.adv_estimator=bpo`` (one tree per task; ``bpo.allocation=learned`` under
@@ -24,6 +25,12 @@ its shape on expected costs, so it spends around its budget, not exactly it: the
    ``summary.json`` (with ``bpo_over_grpo_generated_tokens``), and prints a summary table with the generated
    tokens per tree of both.
 
+Reruns: ``--grpo-from DIR`` trains BPO only, on the budgets of the GRPO run an earlier demo left in ``DIR`` (its
+warm-started model, its ``grpo/`` tree log and metrics), and writes the same table into ``--out``: BPO's runs are
+not deterministic (vLLM samples), so the way to see how a result varies is to rerun BPO on the same budgets.
+``--bpo-allocation fixed`` trains BPO under the fixed rule instead (K0 = K = 2, exactly N leaves, no budgets): a
+control for the learned allocation, matched to GRPO in leaves, not compute.
+
 What it shows: the whole stack (sandbox snapshots and forks, the learned allocation, tree metadata through verl's
 TransferQueue, the registered estimator, verl's FSDP update and weight sync to vLLM) working end to end, and the
 held-out success rising under both estimators within the run, per update and per generated token. One seed
@@ -33,6 +40,7 @@ cannot say which is better: ``benchmarks/learning.py`` measures that over severa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import threading
@@ -50,7 +58,10 @@ __all__ = ["DemoSettings", "run_overrides", "train", "group_spend", "matched_bud
 
 logger = logging.getLogger(__name__)
 
-TASK = TASKS["late"]
+# The late-decision task with its turn format in the reward: a reply that runs on past its action still acts but
+# pays 0.1. Without it nothing holds the end-of-turn habit, and in verl's trainer the turns of every estimator tried
+# (GRPO, the fixed and the learned allocation) sometimes drifted to the token cap mid-run (docs/results.md).
+TASK = dataclasses.replace(TASKS["late"], sandbox_config={**TASKS["late"].sandbox_config, "run_on_penalty": 0.1})
 MATCHED_COMPUTE = ("generated tokens per task and update (each BPO tree's budget is what GRPO's group generated on "
                    "that task)")
 TREE_LOG = "trees.jsonl"  # each run's bpo.tree_log, in its output folder
@@ -225,7 +236,8 @@ def spend_comparison(grpo_tree_log: Iterable[str], bpo_tree_log: Iterable[str]) 
 
 
 def curves(result: cpu_launch.RunResult, batch_size: int) -> dict[str, list[float]]:
-    """Per step: training success, cumulative generated tokens, and the held-out return where verl evaluated."""
+    """Per step: training success, cumulative generated tokens, the policy's turn length (``bpo/turn_tokens``), and
+    the held-out return where verl evaluated."""
     steps = sorted(s for s, m in result.metrics.items() if "bpo/success_rate" in m)
     tokens, total = [], 0.0
     for s in steps:
@@ -235,6 +247,8 @@ def curves(result: cpu_launch.RunResult, batch_size: int) -> dict[str, list[floa
     by_step = dict(zip(steps, tokens))
     return {
         "steps": steps, "success": [result.metrics[s]["bpo/success_rate"] for s in steps], "tokens": tokens,
+        # the turn format: the warm start's turns average about 2.3 tokens; a turn that runs on writes up to the cap
+        "turn_tokens": [result.metrics[s].get("bpo/turn_tokens", float("nan")) for s in steps],
         # verl's first evaluation (before training) is logged with step 0 or the first step's line: updates done.
         "eval_updates": [s - 1 if s in by_step else 0 for s, _ in evals],
         "eval_tokens": [by_step.get(s - 1, 0.0) for s, _ in evals],
@@ -287,6 +301,7 @@ def summarize(results: dict[str, cpu_launch.RunResult], data: dict[str, dict],
             "success_last3": sum(c["success"][-3:]) / max(len(c["success"][-3:]), 1),
             "generated_tokens_per_tree": mean("bpo/generated_tokens"),
             "env_steps_per_tree": mean("bpo/env_steps"),
+            "peak_turn_tokens": max(c["turn_tokens"], default=float("nan")),
             "trainer_rows_per_tree": mean("bpo/trainer_rows"),
             # what the actor forwards and back-propagates per task (verl's balanced batch; one rank on CPU):
             # BPO's packed tree rows, GRPO's rows
@@ -308,21 +323,44 @@ def draw_logged_tree(log: Path, path: Path) -> None:
         draw_tree_record(json.loads(lines[-1]), path)
 
 
+def earlier_run(folder: Path) -> cpu_launch.RunResult:
+    """A finished run an earlier demo left in ``folder`` (its metrics; its wall time from that demo's
+    ``summary.json`` where it has one)."""
+    metrics = cpu_launch.read_metrics(folder / "metrics.jsonl")
+    if not metrics or not (folder / TREE_LOG).exists():
+        raise ValueError(f"--grpo-from: {folder} holds no finished GRPO run (metrics.jsonl and {TREE_LOG}); "
+                         "pass the --out folder of an earlier demo run")
+    summary = folder.parent / "summary.json"
+    wall_s = (json.loads(summary.read_text())["summary"].get(folder.name, {}).get("wall_s", float("nan"))
+              if summary.exists() else float("nan"))
+    return cpu_launch.RunResult(returncode=0, timed_out=False, wall_s=wall_s, peak_mem_gb=float("nan"),
+                                leftover_processes=0, log="", metrics=metrics)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=24, help="policy updates per estimator (default 24)")
     parser.add_argument("--out", type=Path, default=Path("runs/cpu_demo"))
+    parser.add_argument("--grpo-from", type=Path, default=None, metavar="DIR",
+                        help="train BPO only, on the budgets of the GRPO run in DIR (an earlier demo's --out)")
+    parser.add_argument("--bpo-allocation", choices=("learned", "fixed"), default="learned",
+                        help="learned (default): each tree's token budget = GRPO's group on its task; fixed: the "
+                             "fixed rule (K0 = K = 2, N leaves), matched in leaves, not compute")
     args = parser.parse_args(argv)
     settings = DemoSettings()
+    if args.bpo_allocation == "fixed":
+        settings.bpo = {"allocation": "fixed"}
     if args.steps * settings.batch_size > len(TASK.train_ids):
         parser.error(f"--steps must be <= {len(TASK.train_ids) // settings.batch_size} (one pass over the tasks)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
+    source = args.grpo_from.resolve() if args.grpo_from else out  # where the warm start and GRPO's run live
     start = time.monotonic()
 
-    print(f"BPO vs GRPO at matched compute: {MATCHED_COMPUTE}; GRPO trains first", flush=True)
+    matched = MATCHED_COMPUTE if args.bpo_allocation == "learned" else "leaves per tree (N), not compute"
+    print(f"BPO vs GRPO, matched in {matched}; GRPO trains first", flush=True)
     print("1/4 building the tiny model and warm-starting it on the late-decision task ...", flush=True)
-    model = task_model(out, TASK)
+    model = task_model(source, TASK)
     print("2/4 writing the training and held-out task sets ...", flush=True)
     train_tasks = TASK.tasks(TASK.train_ids[: args.steps * settings.batch_size])  # verl stops at its epoch's end
     train_data = write_sandbox_dataset(out / "data" / "train.parquet", sandbox_rows(
@@ -330,13 +368,20 @@ def main(argv: list[str] | None = None) -> None:
     val_data = write_sandbox_dataset(out / "data" / "val.parquet", sandbox_rows(
         TASK.sandbox, TASK.tasks(TASK.eval_ids[: settings.eval_tasks]), TASK.sandbox_config, split="val"))
     runs = {}
-    print(f"3/4 training GRPO for {args.steps} steps in verl's trainer ...", flush=True)
-    runs["grpo"] = train("grpo", model, train_data, val_data, out / "grpo", args.steps, settings)
-    # The same rows in the same order, each with its task's budget: what GRPO's group generated on it.
-    bpo_data = write_sandbox_dataset(out / "data" / "train_bpo.parquet", matched_rows(
-        (out / "grpo" / TREE_LOG).read_text().splitlines(), train_tasks))
-    print(f"3/4 training BPO for {args.steps} steps in verl's trainer (each tree's budget: the tokens GRPO's group "
-          "generated on its task) ...", flush=True)
+    if args.grpo_from:
+        print(f"3/4 GRPO's run: the one in {source / 'grpo'}", flush=True)
+        runs["grpo"] = earlier_run(source / "grpo")
+    else:
+        print(f"3/4 training GRPO for {args.steps} steps in verl's trainer ...", flush=True)
+        runs["grpo"] = train("grpo", model, train_data, val_data, out / "grpo", args.steps, settings)
+    grpo_log = (source / "grpo" / TREE_LOG).read_text().splitlines()
+    if args.bpo_allocation == "learned":
+        # The same rows in the same order, each with its task's budget: what GRPO's group generated on it.
+        bpo_data = write_sandbox_dataset(out / "data" / "train_bpo.parquet", matched_rows(grpo_log, train_tasks))
+        how = "each tree's budget: the tokens GRPO's group generated on its task"
+    else:
+        bpo_data, how = train_data, "the fixed rule: N leaves per tree, no budgets"
+    print(f"3/4 training BPO for {args.steps} steps in verl's trainer ({how}) ...", flush=True)
     runs["bpo"] = train("bpo", model, bpo_data, val_data, out / "bpo", args.steps, settings)
     results = {name: runs[name] for name in ("bpo", "grpo")}  # the plots' and the table's order
     print("4/4 writing the plots and the summary ...", flush=True)
@@ -344,20 +389,25 @@ def main(argv: list[str] | None = None) -> None:
     plot_learning(data, out / "learning_curve.png")
     draw_logged_tree(out / "bpo" / TREE_LOG, out / "tree.png")
     summary = summarize(results, data, settings.batch_size)
-    spend = spend_comparison((out / "grpo" / TREE_LOG).read_text().splitlines(),
-                             (out / "bpo" / TREE_LOG).read_text().splitlines())
+    spend = spend_comparison(grpo_log, (out / "bpo" / TREE_LOG).read_text().splitlines())
     (out / "summary.json").write_text(json.dumps({
-        "matched_compute": MATCHED_COMPUTE, **spend, "summary": summary, "curves": data}, indent=1))
-    print(f"\nmatched compute: {MATCHED_COMPUTE}")
+        "matched": matched, "bpo_allocation": args.bpo_allocation, "grpo_from": str(source / "grpo"), **spend,
+        "summary": summary, "curves": data}, indent=1))
+    print(f"\nmatched: {matched}")
     print(f"{'estimator':10s} {'held-out before':>16s} {'held-out last':>14s} {'success(last 3)':>16s} "
           f"{'tokens/tree':>12s} {'rows/tree':>10s} {'trained tok/tree':>17s} {'wall s':>8s}")
     for name, row in summary.items():
         print(f"{name:10s} {row['held_out_before']:16.2f} {row['held_out_last']:14.2f} {row['success_last3']:16.2f} "
               f"{row['generated_tokens_per_tree']:12.1f} {row['trainer_rows_per_tree']:10.1f} "
               f"{row['trained_tokens_per_tree']:17.0f} {row['wall_s']:8.0f}")
+    budgets = (f" ({spend['bpo_spent_over_budget']:.2f}x its budgets: a tree plans on expected costs, so it spends "
+               "around its budget)" if args.bpo_allocation == "learned" else "")
     print(f"BPO generated {spend['bpo_over_grpo_generated_tokens']:.2f}x GRPO's tokens on the same "
-          f"{spend['tasks']:.0f} tasks ({spend['bpo_spent_over_budget']:.2f}x its budgets: a tree plans on expected "
-          f"costs, so it spends around its budget); {spend['same_update_share']:.0%} of the tasks at the same update")
+          f"{spend['tasks']:.0f} tasks{budgets}; {spend['same_update_share']:.0%} of the tasks at the same update")
+    print(f"the policy's turn length per update (bpo/turn_tokens; a turn that runs on writes "
+          f"{settings.max_tokens_per_turn}):")
+    for name, c in data.items():
+        print(f"  {name:6s} " + " ".join(f"{x:.1f}" for x in c["turn_tokens"]))
     print(f"\nwrote {out / 'learning_curve.png'}, {out / 'tree.png'}, {out / 'summary.json'} "
           f"in {time.monotonic() - start:.0f} s")
 
