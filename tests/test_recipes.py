@@ -458,6 +458,16 @@ def test_the_demo_reruns_bpo_alone_on_an_earlier_demos_grpo_run(tmp_path, monkey
     assert json.loads((out / "summary.json").read_text())["matched"].startswith("leaves")
     with pytest.raises(ValueError, match="--grpo-from: .* holds no finished GRPO run"):
         demo.main(["--steps", str(steps), "--out", str(out), "--grpo-from", str(tmp_path / "none")])
+    # a GRPO run on other sandbox settings (as hydra recorded its command line) gives no budgets for this task
+    recorded = earlier / "grpo" / "hydra" / ".hydra" / "overrides.yaml"
+    recorded.parent.mkdir(parents=True)
+    ours = [o for o in demo.run_overrides("grpo", model, tmp_path, tmp_path, out, steps, demo.DemoSettings())
+            if "bpo.sandbox.config." in o]
+    recorded.write_text("".join(f"- {o}\n" for o in ours))
+    assert demo.earlier_run(earlier / "grpo").metrics  # the same settings: accepted
+    recorded.write_text("".join(f"- {o}\n" for o in ours if "run_on_penalty" not in o))
+    with pytest.raises(ValueError, match=r"other sandbox settings \(\['\+bpo.sandbox.config.run_on_penalty=0.1'\]"):
+        demo.main(["--steps", str(steps), "--out", str(out), "--grpo-from", str(earlier)])
 
 
 def _benchmark(name: str):

@@ -325,11 +325,19 @@ def draw_logged_tree(log: Path, path: Path) -> None:
 
 def earlier_run(folder: Path) -> cpu_launch.RunResult:
     """A finished run an earlier demo left in ``folder`` (its metrics; its wall time from that demo's
-    ``summary.json`` where it has one)."""
+    ``summary.json`` where it has one). A run on another task (its sandbox settings differ from :data:`TASK`'s, e.g.
+    a demo from before the run-on penalty) is an error: its budgets would not match this task's groups."""
     metrics = cpu_launch.read_metrics(folder / "metrics.jsonl")
     if not metrics or not (folder / TREE_LOG).exists():
         raise ValueError(f"--grpo-from: {folder} holds no finished GRPO run (metrics.jsonl and {TREE_LOG}); "
                          "pass the --out folder of an earlier demo run")
+    overrides = folder / "hydra" / ".hydra" / "overrides.yaml"  # what hydra recorded of the run's command line
+    if overrides.exists():
+        theirs = {line.strip("- \n") for line in overrides.read_text().splitlines() if "bpo.sandbox.config." in line}
+        ours = {o for o in _bpo_overrides(DemoSettings()) if "bpo.sandbox.config." in o}
+        if theirs != ours:
+            raise ValueError(f"--grpo-from: the GRPO run in {folder} trained on other sandbox settings "
+                             f"({sorted(theirs ^ ours)} differ); rerun the whole demo to get GRPO's run on this task")
     summary = folder.parent / "summary.json"
     wall_s = (json.loads(summary.read_text())["summary"].get(folder.name, {}).get("wall_s", float("nan"))
               if summary.exists() else float("nan"))
@@ -355,10 +363,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
     source = args.grpo_from.resolve() if args.grpo_from else out  # where the warm start and GRPO's run live
+    earlier = earlier_run(source / "grpo") if args.grpo_from else None  # checked before anything is built
     start = time.monotonic()
 
     matched = MATCHED_COMPUTE if args.bpo_allocation == "learned" else "leaves per tree (N), not compute"
-    print(f"BPO vs GRPO, matched in {matched}; GRPO trains first", flush=True)
+    print(f"BPO vs GRPO, matched in {matched}; "
+          + (f"GRPO's run from {source / 'grpo'}" if earlier is not None else "GRPO trains first"), flush=True)
     print("1/4 building the tiny model and warm-starting it on the late-decision task ...", flush=True)
     model = task_model(source, TASK)
     print("2/4 writing the training and held-out task sets ...", flush=True)
@@ -368,9 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     val_data = write_sandbox_dataset(out / "data" / "val.parquet", sandbox_rows(
         TASK.sandbox, TASK.tasks(TASK.eval_ids[: settings.eval_tasks]), TASK.sandbox_config, split="val"))
     runs = {}
-    if args.grpo_from:
-        print(f"3/4 GRPO's run: the one in {source / 'grpo'}", flush=True)
-        runs["grpo"] = earlier_run(source / "grpo")
+    if earlier is not None:
+        runs["grpo"] = earlier
     else:
         print(f"3/4 training GRPO for {args.steps} steps in verl's trainer ...", flush=True)
         runs["grpo"] = train("grpo", model, train_data, val_data, out / "grpo", args.steps, settings)
