@@ -12,8 +12,7 @@ its shape on expected costs, so it spends around its budget, not exactly it: the
 
 1. builds a tiny Qwen2 + tokenizer locally and warm-starts it on the late-decision task
    (``verl_bpo.demo.tasks``: the signpost corridor — walk east five rooms, then open the right door): it walks
-   well and picks doors at random, so it succeeds a third to half of the time and the decisive choice comes last
-   (here a reply that runs on past its action pays 0.1, so the reward also holds the turn format);
+   well and picks doors at random, so it succeeds a third to half of the time and the decisive choice comes last;
 2. writes the training tasks and disjoint held-out tasks as verl parquet;
 3. trains with ``grpo`` (N independent rollouts through the ``bpo_tree`` agent loop in flat mode), then with
    ``algorithm.adv_estimator=bpo`` (one tree per task; ``bpo.allocation=learned`` under
@@ -40,7 +39,6 @@ cannot say which is better: ``benchmarks/learning.py`` measures that over severa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import threading
@@ -58,10 +56,7 @@ __all__ = ["DemoSettings", "run_overrides", "train", "group_spend", "matched_bud
 
 logger = logging.getLogger(__name__)
 
-# The late-decision task with its turn format in the reward: a reply that runs on past its action still acts but
-# pays 0.1. Without it nothing holds the end-of-turn habit, and in verl's trainer the turns of every estimator tried
-# (GRPO, the fixed and the learned allocation) sometimes drifted to the token cap mid-run (docs/results.md).
-TASK = dataclasses.replace(TASKS["late"], sandbox_config={**TASKS["late"].sandbox_config, "run_on_penalty": 0.1})
+TASK = TASKS["late"]
 MATCHED_COMPUTE = ("generated tokens per task and update (each BPO tree's budget is what GRPO's group generated on "
                    "that task)")
 TREE_LOG = "trees.jsonl"  # each run's bpo.tree_log, in its output folder
@@ -325,8 +320,8 @@ def draw_logged_tree(log: Path, path: Path) -> None:
 
 def earlier_run(folder: Path) -> cpu_launch.RunResult:
     """A finished run an earlier demo left in ``folder`` (its metrics; its wall time from that demo's
-    ``summary.json`` where it has one). A run on another task (its sandbox settings differ from :data:`TASK`'s, e.g.
-    a demo from before the run-on penalty) is an error: its budgets would not match this task's groups."""
+    ``summary.json`` where it has one). A run on other sandbox settings than :data:`TASK`'s (an older demo's) is an
+    error: its budgets would not match this task's groups."""
     metrics = cpu_launch.read_metrics(folder / "metrics.jsonl")
     if not metrics or not (folder / TREE_LOG).exists():
         raise ValueError(f"--grpo-from: {folder} holds no finished GRPO run (metrics.jsonl and {TREE_LOG}); "
