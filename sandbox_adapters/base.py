@@ -47,7 +47,6 @@ __all__ = [
     "ACTION_LINE",
     "parse_text_command",
     "match_action",
-    "reply_command",
 ]
 
 # ``action: <command>`` on a line of its own; the last such line wins.
@@ -74,20 +73,14 @@ def parse_text_command(text: str, patterns: Sequence[re.Pattern] = (ACTION_LINE,
     return candidate
 
 
-def reply_command(text: str, aliases: Mapping[str, str] | None = None) -> str:
-    """The command a model turn states: its last ``action:`` line, else the whole reply, normalised (lower case, no
-    quotes or trailing period) and mapped through ``aliases``."""
+def match_action(text: str, actions: Sequence[str], aliases: Mapping[str, str] | None = None) -> str | None:
+    """One of a fixed vocabulary of ``actions`` from a model turn: its last ``action:`` line, else the whole reply,
+    normalised (lower case, no quotes or trailing period) and mapped through ``aliases``. A reply that starts with
+    an action and rambles on ("take key key key", a turn cut at its token limit) still acts: losing the end-of-turn
+    habit should cost tokens, not make every episode unwinnable."""
     lines = ACTION_LINE.findall(text)
     candidate = " ".join((lines[-1] if lines else text).lower().strip().strip(".!`'\"").split())
-    return (aliases or {}).get(candidate, candidate)
-
-
-def match_action(text: str, actions: Sequence[str], aliases: Mapping[str, str] | None = None) -> str | None:
-    """One of a fixed vocabulary of ``actions`` from a model turn (:func:`reply_command`). A reply that starts with
-    an action and rambles on ("take key key key", a turn cut at its token limit) still acts: losing the end-of-turn
-    habit should cost tokens, not make every episode unwinnable (a sandbox may still charge for it, as
-    ``SignpostSandbox.Config.run_on_penalty`` does)."""
-    candidate = reply_command(text, aliases)
+    candidate = (aliases or {}).get(candidate, candidate)
     return next((a for a in sorted(actions, key=len, reverse=True)
                  if candidate == a or candidate.startswith(a + " ")), None)
 

@@ -15,7 +15,7 @@ move decides, and the outcome shows only at the end.
 
 Actions: ``east``, ``west``, ``open <color> door`` for each door (``open red door``, ``open blue door`` with the
 default two: :data:`ACTIONS`; :func:`door_actions` for any count), ``look`` (alone or as ``action: <action>``; a
-reply that starts with an action and runs on still acts, charged ``Config.run_on_penalty``). A step takes
+reply that starts with an action and runs on still acts). A step takes
 microseconds and a snapshot is four small values, so trees fork it freely.
 
 Task specification: ``{"task_id": <int>}`` with ``0 <= task_id < Config.num_tasks``.
@@ -37,7 +37,6 @@ from sandbox_adapters.base import (
     SnapshotKind,
     StepResult,
     match_action,
-    reply_command,
 )
 from sandbox_adapters.registry import register_sandbox
 
@@ -70,9 +69,6 @@ class SignpostSandbox(Sandbox):
             num_tasks: how many task ids exist (default 128); task ``i`` has its own right door.
             max_steps: turns after which the episode ends unwon (default 8); turns without a valid action count.
             invalid_penalty: reward subtracted for a turn without a valid action (default 0.0).
-            run_on_penalty: reward subtracted for a turn that runs on past its action (``east east east``, a turn
-                cut at its token limit); it still acts (default 0.0). With 0 nothing in the reward holds the
-                end-of-turn habit, and a policy's turns can drift long under any estimator.
             doors: how many doors (default 2: red and blue); they take the first ``doors`` colors of
                 :data:`PALETTE` (2 to 16).
             right_door: ``task`` (default): the task id draws the right door among the doors, so the sign must be
@@ -85,7 +81,6 @@ class SignpostSandbox(Sandbox):
         num_tasks: int = 128
         max_steps: int = 8
         invalid_penalty: float = 0.0
-        run_on_penalty: float = 0.0
         right_door: str = "task"
         decide_at: str = "end"
         doors: int = 2
@@ -99,8 +94,6 @@ class SignpostSandbox(Sandbox):
             if self.right_door not in ("task", *self.colors):
                 raise ValueError(f"signpost: right_door must be 'task' or one of the doors' colors "
                                  f"({', '.join(self.colors)}), got {self.right_door!r}")
-            if not self.run_on_penalty >= 0:
-                raise ValueError(f"signpost: run_on_penalty must be >= 0 (a charge), got {self.run_on_penalty}")
             if self.decide_at not in ("end", "start"):
                 raise ValueError(f"signpost: decide_at must be 'end' or 'start', got {self.decide_at!r}")
             if self.num_tasks < 1 or self.max_steps < self.length:
@@ -169,9 +162,6 @@ class SignpostSandbox(Sandbox):
     def _step_text(self, action_text: str) -> StepResult:
         result = super()._step_text(action_text)
         if not result.info.get("invalid_action"):
-            if self.config.run_on_penalty and reply_command(action_text) not in self.vocabulary:
-                info = {**result.info, "ran_on": True}
-                return dataclasses.replace(result, reward=result.reward - self.config.run_on_penalty, info=info)
             return result
         self._steps += 1
         return self._end_at_step_limit(dataclasses.replace(result, reward=-self.config.invalid_penalty),

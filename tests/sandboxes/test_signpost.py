@@ -210,20 +210,11 @@ def test_invalid_door_counts_and_right_doors_are_refused():
     assert SignpostSandbox.Config(doors=4, right_door="yellow").colors == ("red", "blue", "green", "yellow")
 
 
-def test_a_reply_that_runs_on_still_acts_and_pays_the_run_on_penalty():
-    box = SignpostSandbox(SignpostSandbox.Config(length=3, right_door="red", run_on_penalty=0.1))
+def test_a_reply_that_runs_on_still_acts_and_is_not_charged():
+    box = SignpostSandbox(SignpostSandbox.Config(length=3, right_door="red"))
     box.reset({"task_id": 0})
     first = box.step("east east east")  # a turn cut at its token limit
-    assert first.reward == -0.1 and first.info["ran_on"] and "Room 2." in first.observation.text  # it moved once
-    for clean in ("east", "action: east", "East."):
-        snap = box.snapshot()
-        assert box.step(clean).reward == 0.0
-        box.restore(snap)
+    assert first.reward == 0.0 and not first.info.get("invalid_action") and "Room 2." in first.observation.text
     box.step("east")
     won = box.step("open red door open red")
-    assert won.done and won.info["won"] and won.reward == pytest.approx(0.9)
-    free = SignpostSandbox(SignpostSandbox.Config(length=3))  # the default charges nothing
-    free.reset({"task_id": 0})
-    assert free.step("east east east").reward == 0.0
-    with pytest.raises(ValueError, match="run_on_penalty must be >= 0"):
-        SignpostSandbox.Config(run_on_penalty=-0.1)
+    assert won.done and won.info["won"] and won.reward == 1.0
