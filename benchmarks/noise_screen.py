@@ -79,16 +79,17 @@ def trained_weights(model_dir: Path, task, updates: int, lr: float, seed: int, o
     return target
 
 
-def adam_progress(draws: np.ndarray, mean_grad: np.ndarray, updates: int, lr: float, eps: float, sims: int,
-                  seed: int) -> np.ndarray:
-    """Mean first-order progress −ḡ·Δθ after each of ``updates`` AdamW steps on gradients resampled from ``draws``,
-    over ``sims`` independent sequences; shape ``(updates,)``."""
+def adam_walk(draws: np.ndarray, direction: np.ndarray, updates: int, lr: float, eps: float, sims: int,
+              seed: int) -> np.ndarray:
+    """The weights' displacement along ``direction``, Δθ·direction, after each of ``updates`` AdamW steps on
+    gradients resampled from ``draws`` (clipped as the trainer clips), in ``sims`` independent sequences; shape
+    ``(sims, updates)``."""
     rng = np.random.default_rng(seed)
     dim = draws.shape[1]
     m = np.zeros((sims, dim), np.float32)
     v = np.zeros((sims, dim), np.float32)
     delta = np.zeros((sims, dim), np.float32)
-    progress = np.empty(updates)
+    walk = np.empty((sims, updates))
     for t in range(1, updates + 1):
         g = draws[rng.integers(len(draws), size=sims)]
         norm = np.linalg.norm(g, axis=1, keepdims=True)
@@ -96,8 +97,15 @@ def adam_progress(draws: np.ndarray, mean_grad: np.ndarray, updates: int, lr: fl
         m = BETAS[0] * m + (1 - BETAS[0]) * g
         v = BETAS[1] * v + (1 - BETAS[1]) * g * g
         delta -= lr * (m / (1 - BETAS[0] ** t)) / (np.sqrt(v / (1 - BETAS[1] ** t)) + eps)
-        progress[t - 1] = float(np.mean(-(delta @ mean_grad)))
-    return progress
+        walk[:, t - 1] = delta @ direction
+    return walk
+
+
+def adam_progress(draws: np.ndarray, mean_grad: np.ndarray, updates: int, lr: float, eps: float, sims: int,
+                  seed: int) -> np.ndarray:
+    """Mean first-order progress −ḡ·Δθ after each of ``updates`` AdamW steps on gradients resampled from ``draws``,
+    over ``sims`` independent sequences (:func:`adam_walk` along ``mean_grad``); shape ``(updates,)``."""
+    return -adam_walk(draws, mean_grad, updates, lr, eps, sims, seed).mean(0)
 
 
 def cross_fit_progress(draws: dict[str, np.ndarray], updates: int, lr: float, eps: float, sims: int

@@ -15,9 +15,15 @@ fall), as turns that run on to ``bpo.max_tokens_per_turn``. This measures, per e
 * ``<est>_mean_z`` — the projection's mean over its standard error: a bias toward longer (z > 0: the loss gradient's
   step lowers p) or shorter turns shows as |z| >> 2;
 * ``turn_end_var_bpo_over_rloo`` — the projection's variance, BPO over RLOO, × generated tokens per batch (matched
-  generated tokens), with a bootstrap CI95: how much faster BPO's turn ends random-walk per update.
+  generated tokens), with a bootstrap CI95: how much faster BPO's turn ends random-walk per update;
+* ``<est>_adam_walk_eps<eps>`` — what the optimizer makes of that noise: AdamW's update rule (torch's, betas 0.9 and
+  0.999, clipped as the trainer clips) on the same draws resampled into 64 sequences of ``--updates`` steps (the
+  demo's run), and the RMS over sequences of the weights' displacement along d at the end, in units of the learning
+  rate. AdamW divides each weight's gradient by that weight's RMS gradient plus ``eps``, so a weight whose gradient is
+  noise well above ``eps`` moves by about the learning rate per update however small the noise; an ``eps`` above the
+  noise damps it. ``adam_walk_bpo_over_rloo_eps<eps>``: BPO's over RLOO's, at each ``eps`` of ``--eps``.
 
-    python benchmarks/turn_end_gradient.py [--task late] [--draws 96]
+    python benchmarks/turn_end_gradient.py [--task late] [--draws 96] [--eps 1e-5 1e-4]
 
 Last line: one JSON object with those keys, ``<est>_tokens_per_batch`` and ``p_turn_end``.
 """
@@ -31,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from learning import bootstrap, trainer, tree_settings
+from noise_screen import adam_walk
 
 from verl_bpo.demo.tasks import TASKS, task_model
 
@@ -57,18 +64,18 @@ def turn_end_direction(rl, tasks: list[dict], episodes: int) -> tuple[np.ndarray
     return d / np.linalg.norm(d), p
 
 
-def projections(rl, tasks: list[dict], d: np.ndarray, draws: int, warmup: int) -> tuple[np.ndarray, float]:
-    """ĝ·d of ``draws`` batch gradients at the current weights, and the mean generated tokens per batch."""
-    values, tokens = [], []
+def gradients(rl, tasks: list[dict], draws: int, warmup: int) -> tuple[np.ndarray, float]:
+    """``draws`` batch gradients at the current weights, one row each, and the mean generated tokens per batch."""
+    rows, tokens = [], []
     for k in range(warmup + draws):
         rl.updates = k  # a fresh tree seed per draw; the weights never change
         results = rl.rollout(tasks)
         if k < warmup:  # BPO's profile and costs learn from these; not measured
             continue
         rl.gradient(results)
-        values.append(float(rl.flat_gradient().astype(np.float64) @ d))
+        rows.append(rl.flat_gradient().astype(np.float32))
         tokens.append(sum(r.metrics["bpo/generated_tokens"] for r in results))
-    return np.array(values), float(np.mean(tokens))
+    return np.stack(rows), float(np.mean(tokens))
 
 
 def main() -> None:
@@ -77,6 +84,8 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=96)
     parser.add_argument("--warmup", type=int, default=4, help="BPO batches that teach its profile first")
     parser.add_argument("--episodes", type=int, default=4, help="flat episodes per task for the direction d")
+    parser.add_argument("--eps", type=float, nargs="+", default=[1e-5, 1e-4], help="AdamW eps values to compare")
+    parser.add_argument("--updates", type=int, default=24, help="AdamW steps per resampled sequence")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"), help="the tiny model's cache")
     args = parser.parse_args()
     start = time.monotonic()
@@ -86,17 +95,25 @@ def main() -> None:
     d, p_end = None, 0.0
     result: dict = {"task": args.task, "draws": args.draws}
     proj: dict[str, tuple[np.ndarray, float]] = {}
+    walk: dict[str, dict[float, float]] = {}
     for estimator in ("bpo", "rloo"):
         rl = trainer(model_dir, task, estimator, 0, tree_settings())
         if d is None:
             d, p_end = turn_end_direction(rl, task.tasks(task.train_ids)[:16], args.episodes)
-        values, tokens = projections(rl, batch, d, args.draws, args.warmup if estimator == "bpo" else 0)
+        draws, tokens = gradients(rl, batch, args.draws, args.warmup if estimator == "bpo" else 0)
+        values = draws.astype(np.float64) @ d
         proj[estimator] = values, tokens
+        walk[estimator] = {eps: float(np.sqrt(np.mean(np.square(
+            adam_walk(draws, d.astype(np.float32), args.updates, 1.0, eps, sims=64, seed=0)[:, -1]))))
+            for eps in args.eps}
         z = values.mean() / (values.std(ddof=1) / np.sqrt(len(values)))
-        result.update({f"{estimator}_mean_z": round(float(z), 2), f"{estimator}_std": float(f"{values.std(ddof=1):.3g}"),
-                       f"{estimator}_tokens_per_batch": round(tokens, 1)})
+        result.update({f"{estimator}_mean_z": round(float(z), 2),
+                       f"{estimator}_std": float(f"{values.std(ddof=1):.3g}"),
+                       f"{estimator}_tokens_per_batch": round(tokens, 1),
+                       **{f"{estimator}_adam_walk_eps{eps:g}": round(w, 3) for eps, w in walk[estimator].items()}})
         print(f"{estimator}: projection mean {values.mean():.3g} (z {z:.2f}), std {values.std(ddof=1):.3g}, "
-              f"{tokens:.0f} tokens per batch", flush=True)
+              f"{tokens:.0f} tokens per batch; AdamW's walk along d after {args.updates} updates (RMS, x lr): "
+              + ", ".join(f"eps {eps:g}: {w:.3f}" for eps, w in walk[estimator].items()), flush=True)
     (b, tok_b), (r, tok_r) = proj["bpo"], proj["rloo"]
 
     def ratio(i: np.ndarray) -> float:
@@ -104,6 +121,8 @@ def main() -> None:
 
     result.update({"turn_end_var_bpo_over_rloo": round(ratio(np.arange(args.draws)), 3),
                    "ci95": bootstrap(ratio, args.draws), "p_turn_end": round(p_end, 4),
+                   **{f"adam_walk_bpo_over_rloo_eps{eps:g}": round(walk["bpo"][eps] / walk["rloo"][eps], 3)
+                      for eps in args.eps},
                    "wall_s": round(time.monotonic() - start)})
     print(json.dumps(result))
 

@@ -66,3 +66,28 @@ def test_a_variant_names_what_it_changes_and_keeps_the_rest():
     assert sparse.sandbox_config == {**task.sandbox_config, "doors": 16, "invalid_penalty": 0.0}
     assert (sparse.train_ids, sparse.eval_ids, sparse.lr, sparse.batch) == (task.train_ids, task.eval_ids, task.lr,
                                                                            task.batch)
+
+
+def test_adam_walk_is_torchs_adamw_and_eps_damps_noise_below_it():
+    """The replay's displacement is torch's AdamW step for step (no weight decay, the trainer's clip); on pure noise
+    a weight moves by about the learning rate per update whatever the noise's size, unless ``eps`` exceeds it."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    g = (rng.standard_normal(DIM) * 0.2).astype(np.float32)  # norm about 4: the trainer's clip to 1 applies
+    direction = rng.standard_normal(DIM).astype(np.float32)
+    walk = screen.adam_walk(np.tile(g, (DRAWS, 1)), direction, 5, LR, EPS, sims=1, seed=0)[0]
+    weights = torch.zeros(DIM, requires_grad=True)
+    optimizer = torch.optim.AdamW([weights], lr=LR, eps=EPS, weight_decay=0.0)
+    for t in range(5):
+        weights.grad = torch.from_numpy(g.copy())
+        torch.nn.utils.clip_grad_norm_([weights], screen.GRAD_CLIP)
+        optimizer.step()
+        assert float(weights.detach().numpy() @ direction) == pytest.approx(walk[t], rel=1e-4)
+    noise = (rng.standard_normal((DRAWS, DIM)) * 1e-6).astype(np.float32)  # mean 0, far below the clip
+    unit = np.eye(DIM, dtype=np.float32)[0]  # one weight
+
+    def rms(eps: float) -> float:
+        return float(np.sqrt(np.mean(np.square(screen.adam_walk(noise, unit, 24, 1.0, eps, sims=64, seed=1)[:, -1]))))
+
+    assert rms(1e-8) > 1.0  # a random walk of ~lr-sized steps (momentum-correlated)
+    assert rms(1e-4) < 0.05 * rms(1e-8)  # eps 100x the noise: the steps shrink about 100x
