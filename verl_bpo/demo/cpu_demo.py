@@ -2,6 +2,7 @@
 sandbox, with a tiny model built locally.
 
     python -m verl_bpo.demo [--steps 24] [--out runs/cpu_demo] [--grpo-from DIR] [--bpo-allocation learned|fixed]
+                            [--adam-eps 1e-4]
 
 Matched compute: generated tokens per task and update (each BPO tree's budget is what GRPO's group generated on
 that task). GRPO trains first; every training task appears once in the run (``--steps`` updates of 4 tasks, one
@@ -28,7 +29,8 @@ Reruns: ``--grpo-from DIR`` trains BPO only, on the budgets of the GRPO run an e
 warm-started model, its ``grpo/`` tree log and metrics), and writes the same table into ``--out``: BPO's runs are
 not deterministic (vLLM samples), so the way to see how a result varies is to rerun BPO on the same budgets.
 ``--bpo-allocation fixed`` trains BPO under the fixed rule instead (K0 = K = 2, exactly N leaves, no budgets): a
-control for the learned allocation, matched to GRPO in leaves, not compute.
+control for the learned allocation, matched to GRPO in leaves, not compute. ``--adam-eps`` sets AdamW's ``eps`` of
+both runs (``DemoSettings.adam_eps``); a ``--grpo-from`` run must have trained with the same.
 
 What it shows: the whole stack (sandbox snapshots and forks, the learned allocation, tree metadata through verl's
 TransferQueue, the registered estimator, verl's FSDP update and weight sync to vLLM) working end to end, and the
@@ -72,10 +74,12 @@ class DemoSettings:
     response_length = 320  # eight turns and their observations fit
     eval_tasks = 32
     eval_episodes = 2
-    # AdamW's eps, as the learning benchmark trains (benchmarks/learning.py, ADAM_EPS): with torch's 1e-8 Adam's first
-    # steps move every weight by about the learning rate however small its gradient (benchmarks/first_updates.py),
-    # and a single update can break the warm start's turn format: turns that run on to max_tokens_per_turn.
-    adam_eps = 1e-5
+    # AdamW's eps. With torch's 1e-8 Adam's first steps move every weight by about the learning rate however small its
+    # gradient (benchmarks/first_updates.py). At 1e-5 the turn format still broke mid-run in 7 of 12 runs (BPO 6 of
+    # 8, GRPO 1 of 4: the turns ran on to max_tokens_per_turn); at 1e-4 in none of 12 (docs/results.md, the demo). The
+    # end of a turn does not change the return here, so its weights get only noise, which AdamW turns into
+    # learning-rate-sized steps unless eps is above it (benchmarks/turn_end_gradient.py).
+    adam_eps = 1e-4
     bpo = {"allocation": "learned",
            "learned": {"budget_unit": "tokens", "max_leaves": 16, "warmup_trees": 8, "explore_share": 0.1}}
 
@@ -251,7 +255,9 @@ def curves(result: cpu_launch.RunResult, batch_size: int) -> dict[str, list[floa
     }
 
 
-def plot_learning(data: dict[str, dict[str, list[float]]], path: Path) -> None:
+def plot_learning(data: dict[str, dict[str, list[float]]], path: Path, bpo_setting: str) -> None:
+    """The held-out return per update and per generated token, and training success; ``bpo_setting`` says how BPO's
+    trees were sized (the title)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,8 +279,7 @@ def plot_learning(data: dict[str, dict[str, list[float]]], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"CPU demo on the late-decision task: BPO (learned allocation, each tree's token budget = GRPO's "
-                 f"group on its task) vs GRPO, N = {DemoSettings.rollout_n}")
+    fig.suptitle(f"CPU demo on the late-decision task: BPO ({bpo_setting}) vs GRPO, N = {DemoSettings.rollout_n}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -318,20 +323,28 @@ def draw_logged_tree(log: Path, path: Path) -> None:
         draw_tree_record(json.loads(lines[-1]), path)
 
 
-def earlier_run(folder: Path) -> cpu_launch.RunResult:
+# What an earlier demo's GRPO run must share with this demo for its budgets to fit BPO's run: the task, the group and
+# batch sizes, and the optimizer (the overrides hydra records; paths and step counts may differ).
+MATCHED_SETTINGS = ("+bpo.sandbox.config.", "actor_rollout_ref.actor.optim.", "++actor_rollout_ref.actor.optim.",
+                    "actor_rollout_ref.rollout.n=", "data.train_batch_size=")
+
+
+def earlier_run(folder: Path, settings: DemoSettings) -> cpu_launch.RunResult:
     """A finished run an earlier demo left in ``folder`` (its metrics; its wall time from that demo's
-    ``summary.json`` where it has one). A run on other sandbox settings than :data:`TASK`'s (an older demo's) is an
-    error: its budgets would not match this task's groups."""
+    ``summary.json`` where it has one). A run on other :data:`MATCHED_SETTINGS` than this demo's (an older demo's
+    task or optimizer) is an error: its budgets would not match the groups GRPO would train here."""
     metrics = cpu_launch.read_metrics(folder / "metrics.jsonl")
     if not metrics or not (folder / TREE_LOG).exists():
         raise ValueError(f"--grpo-from: {folder} holds no finished GRPO run (metrics.jsonl and {TREE_LOG}); "
                          "pass the --out folder of an earlier demo run")
     overrides = folder / "hydra" / ".hydra" / "overrides.yaml"  # what hydra recorded of the run's command line
     if overrides.exists():
-        theirs = {line.strip("- \n") for line in overrides.read_text().splitlines() if "bpo.sandbox.config." in line}
-        ours = {o for o in _bpo_overrides(DemoSettings()) if "bpo.sandbox.config." in o}
+        theirs = {line.removeprefix("- ") for line in overrides.read_text().splitlines()
+                  if line.removeprefix("- ").startswith(MATCHED_SETTINGS)}
+        ours = {o for o in run_overrides("grpo", folder, folder, folder, folder, 1, settings)
+                if o.startswith(MATCHED_SETTINGS)}
         if theirs != ours:
-            raise ValueError(f"--grpo-from: the GRPO run in {folder} trained on other sandbox settings "
+            raise ValueError(f"--grpo-from: the GRPO run in {folder} trained on other settings "
                              f"({sorted(theirs ^ ours)} differ); rerun the whole demo to get GRPO's run on this task")
     summary = folder.parent / "summary.json"
     wall_s = (json.loads(summary.read_text())["summary"].get(folder.name, {}).get("wall_s", float("nan"))
@@ -349,8 +362,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bpo-allocation", choices=("learned", "fixed"), default="learned",
                         help="learned (default): each tree's token budget = GRPO's group on its task; fixed: the "
                              "fixed rule (K0 = K = 2, N leaves), matched in leaves, not compute")
+    parser.add_argument("--adam-eps", type=float, default=DemoSettings.adam_eps,
+                        help=f"AdamW's eps for both estimators (default {DemoSettings.adam_eps:g}; DemoSettings.adam_eps)")
     args = parser.parse_args(argv)
+    if not args.adam_eps > 0:
+        parser.error(f"--adam-eps must be > 0, got {args.adam_eps}")
     settings = DemoSettings()
+    settings.adam_eps = args.adam_eps
     if args.bpo_allocation == "fixed":
         settings.bpo = {"allocation": "fixed"}
     if args.steps * settings.batch_size > len(TASK.train_ids):
@@ -358,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
     source = args.grpo_from.resolve() if args.grpo_from else out  # where the warm start and GRPO's run live
-    earlier = earlier_run(source / "grpo") if args.grpo_from else None  # checked before anything is built
+    earlier = earlier_run(source / "grpo", settings) if args.grpo_from else None  # checked before anything is built
     start = time.monotonic()
 
     matched = MATCHED_COMPUTE if args.bpo_allocation == "learned" else "leaves per tree (N), not compute"
@@ -390,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {name: runs[name] for name in ("bpo", "grpo")}  # the plots' and the table's order
     print("4/4 writing the plots and the summary ...", flush=True)
     data = {name: curves(r, settings.batch_size) for name, r in results.items()}
-    plot_learning(data, out / "learning_curve.png")
+    plot_learning(data, out / "learning_curve.png", how)
     draw_logged_tree(out / "bpo" / TREE_LOG, out / "tree.png")
     summary = summarize(results, data, settings.batch_size)
     spend = spend_comparison(grpo_log, (out / "bpo" / TREE_LOG).read_text().splitlines())
