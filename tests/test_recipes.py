@@ -362,8 +362,8 @@ def test_the_cpu_demo_runs_compose_and_differ_only_in_the_estimator(tmp_path):
     assert bpo.allocation == "learned" and bpo.learned.budget_unit == "tokens" and bpo.tree_log.endswith("trees.jsonl")
     assert bpo.sandbox.name == demo.TASK.sandbox and dict(bpo.sandbox.config) == dict(demo.TASK.sandbox_config)
     assert cfg.trainer.test_freq > 0 and cfg.data.val_files.endswith("val.parquet")  # held-out evaluation
-    # Both runs train with the demo's AdamW eps, 1e-4: at 1e-5 the warm start's turn format broke mid-run in 7 of 12
-    # runs (turns that run on to max_tokens_per_turn), at 1e-4 in none of 12 (docs/results.md).
+    # Both runs train with the demo's AdamW eps, 1e-4: at 1e-5 the warm start's turn format broke mid-run in 7 of 15
+    # runs (turns that run on to max_tokens_per_turn), at 1e-4 in none of 15 (docs/results.md).
     assert cfg.actor_rollout_ref.actor.optim.override_optimizer_config.eps == settings.adam_eps == 1e-4
     make_sandbox(bpo.sandbox.name, dict(bpo.sandbox.config)).close()  # the sandbox accepts the demo's settings
     # verl stops after one pass over the task set on CPU: the default steps must fit in it

@@ -75,8 +75,8 @@ class DemoSettings:
     eval_tasks = 32
     eval_episodes = 2
     # AdamW's eps. With torch's 1e-8 Adam's first steps move every weight by about the learning rate however small its
-    # gradient (benchmarks/first_updates.py). At 1e-5 the turn format still broke mid-run in 7 of 12 runs (BPO 6 of
-    # 8, GRPO 1 of 4: the turns ran on to max_tokens_per_turn); at 1e-4 in none of 12 (docs/results.md, the demo). The
+    # gradient (benchmarks/first_updates.py). At 1e-5 the turn format still broke mid-run in 7 of 15 runs (BPO 6 of
+    # 8, GRPO 1 of 4, RLOO 0 of 3: turns ran on to max_tokens_per_turn); at 1e-4 in none of 15 (docs/results.md). The
     # end of a turn does not change the return here, so its weights get only noise, which AdamW turns into
     # learning-rate-sized steps unless eps is above it (benchmarks/turn_end_gradient.py).
     adam_eps = 1e-4
