@@ -345,7 +345,8 @@ def earlier_run(folder: Path, settings: DemoSettings) -> cpu_launch.RunResult:
                 if o.startswith(MATCHED_SETTINGS)}
         if theirs != ours:
             raise ValueError(f"--grpo-from: the GRPO run in {folder} trained on other settings "
-                             f"({sorted(theirs ^ ours)} differ); rerun the whole demo to get GRPO's run on this task")
+                             f"({sorted(theirs ^ ours)} differ); rerun the whole demo, or pass the eps that run trained "
+                             "with as --adam-eps if only the optimizer's eps differs")
     summary = folder.parent / "summary.json"
     wall_s = (json.loads(summary.read_text())["summary"].get(folder.name, {}).get("wall_s", float("nan"))
               if summary.exists() else float("nan"))
