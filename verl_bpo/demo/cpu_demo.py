@@ -339,8 +339,8 @@ def earlier_run(folder: Path, settings: DemoSettings) -> cpu_launch.RunResult:
                          "pass the --out folder of an earlier demo run")
     overrides = folder / "hydra" / ".hydra" / "overrides.yaml"  # what hydra recorded of the run's command line
     if overrides.exists():
-        theirs = {line.removeprefix("- ") for line in overrides.read_text().splitlines()
-                  if line.removeprefix("- ").startswith(MATCHED_SETTINGS)}
+        recorded = (line.removeprefix("- ") for line in overrides.read_text().splitlines())
+        theirs = {o for o in recorded if o.startswith(MATCHED_SETTINGS)}
         ours = {o for o in run_overrides("grpo", folder, folder, folder, folder, 1, settings)
                 if o.startswith(MATCHED_SETTINGS)}
         if theirs != ours:
