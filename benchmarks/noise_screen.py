@@ -8,7 +8,7 @@ It draws ``--draws`` real batch gradients of RLOO (N rollouts per task) and of R
 the learning benchmark's trainer and task (a fresh task batch and tree seed per draw, as training sees them), and
 replays AdamW on them with the weights frozen at the warm start: each simulated update draws one measured batch
 gradient (with replacement), clips it as the trainer does, and takes torch's AdamW step (betas 0.9, 0.999, the
-benchmark's eps and the task's learning rate; weight decay left out). Progress after t updates is the first-order
+benchmark's eps, or each of ``--adam-eps``, and the task's learning rate; weight decay left out). Progress after t updates is the first-order
 gain in expected return, −ḡ·Δθ, with ḡ the mean gradient estimated from the *other* half of both estimators' draws
 (cross-fit, so a draw never grades its own step; one yardstick for both, so its own error does not favour either).
 The predicted ratio is the updates RLOO-2N needs to reach the progress RLOO reaches after T updates, over T, for
@@ -20,11 +20,19 @@ step that breaks the warm start) do not show. ``--after-updates K`` screens at t
 after K updates instead, to see how the ratio moves as training raises success. ``benchmarks/adam_noise_floor.py``
 gives the Gaussian model's floor (1/sqrt(2) = 0.707). A task is still qualified only by its trained control.
 
+Why eps matters: the first-order progress is linear in the learning rate, so the predicted ratio does not depend on
+it, but it does depend on AdamW's eps. Where eps is small against the per-weight gradient, Adam divides the noise
+out and halving it can save up to 1 - 1/sqrt(2) of the updates; where eps dominates, AdamW is SGD with momentum, whose
+expected step does not depend on the noise, and the predicted ratio goes to 1. The drawn gradients do not depend on
+eps, so one screen replays several (``--adam-eps 1e-8 1e-5 1e-4``).
+
     python benchmarks/noise_screen.py --task hard_late [--batch 1] [--lr 7e-4] [--draws 96] [--seed 0] [--after-updates 0]
-                                      [--doors 16] [--invalid-penalty 0]
+                                      [--doors 16] [--invalid-penalty 0] [--adam-eps 1e-5 ...]
 
 Last line: one JSON object: ``ratio_by_updates`` (T -> predicted RLOO-2N/RLOO updates), the same from each half of
-the draws alone (``ratio_by_updates_per_half``: their spread shows the screen's own noise), ``snr_rloo`` and
+the draws alone (``ratio_by_updates_per_half``: their spread shows the screen's own noise), both for the first
+``--adam-eps``, and ``by_adam_eps`` (eps -> both, for every ``--adam-eps``), ``per_weight_gradient_rms`` (the
+RLOO draws' root mean square per weight, to set eps against), ``snr_rloo`` and
 ``snr_rloo_2n`` (‖E ĝ‖² / tr Cov ĝ), ``success_rloo`` (the mean success of RLOO's drawn batches), the settings,
 and ``wall_s``.
 """
@@ -161,6 +169,8 @@ def main() -> None:
                         help="a variant of the task with this many doors (its own tokenizer), e.g. sparser success")
     parser.add_argument("--invalid-penalty", type=float, default=None,
                         help="a variant of the task with this sandbox invalid_penalty (the task's: 0.1)")
+    parser.add_argument("--adam-eps", type=float, nargs="+", default=[ADAM_EPS],
+                        help=f"AdamW eps values to replay the same draws with (default: the benchmark's, {ADAM_EPS:g})")
     parser.add_argument("--sims", type=int, default=32, help="simulated AdamW runs per half")
     parser.add_argument("--horizons", type=int, nargs="+", default=[4, 8, 16, 24, 36])
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
@@ -178,16 +188,22 @@ def main() -> None:
     snr = {name: round(signal_to_noise(g.astype(np.float64) @ g.T.astype(np.float64)), 4)
            for name, g in draws.items()}
     horizon = 3 * max(args.horizons)  # room for the control to catch up
-    progress = cross_fit_progress(draws, horizon, lr, ADAM_EPS, args.sims)
-    ratios = predicted_ratios(progress["rloo"].mean(0), progress["rloo_2n"].mean(0), args.horizons)
-    per_half = [predicted_ratios(progress["rloo"][i], progress["rloo_2n"][i], args.horizons) for i in (0, 1)]
-    for t, r in ratios.items():
-        print(f"{task.name} batch {task.batch} lr {lr:g}: RLOO's progress after {t:>2} updates, RLOO-2N in "
-              f"{r:.3f}x the updates (halves {per_half[0][t]:.3f}, {per_half[1][t]:.3f})", flush=True)
+    by_eps = {}
+    for eps in args.adam_eps:
+        progress = cross_fit_progress(draws, horizon, lr, eps, args.sims)
+        ratios = predicted_ratios(progress["rloo"].mean(0), progress["rloo_2n"].mean(0), args.horizons)
+        per_half = [predicted_ratios(progress["rloo"][i], progress["rloo_2n"][i], args.horizons) for i in (0, 1)]
+        by_eps[f"{eps:g}"] = {"ratio_by_updates": ratios, "ratio_by_updates_per_half": per_half}
+        for t, r in ratios.items():
+            print(f"{task.name} batch {task.batch} eps {eps:g}: RLOO's progress after {t:>2} updates, RLOO-2N in "
+                  f"{r:.3f}x the updates (halves {per_half[0][t]:.3f}, {per_half[1][t]:.3f})", flush=True)
+    first = by_eps[f"{args.adam_eps[0]:g}"]
     print(json.dumps({"task": task.name, "sandbox_config": dict(task.sandbox_config), "batch": task.batch, "lr": lr,
                       "draws": args.draws, "seed": args.seed, "after_updates": args.after_updates,
-                      "success_rloo": round(success, 4), "sims": args.sims, "ratio_by_updates": ratios,
-                      "ratio_by_updates_per_half": per_half, "snr_rloo": snr["rloo"], "snr_rloo_2n": snr["rloo_2n"],
+                      "success_rloo": round(success, 4), "sims": args.sims, "adam_eps": args.adam_eps[0],
+                      **first, "by_adam_eps": by_eps,
+                      "per_weight_gradient_rms": float(f"{np.sqrt(np.mean(rloo.astype(np.float64) ** 2)):.3g}"),
+                      "snr_rloo": snr["rloo"], "snr_rloo_2n": snr["rloo_2n"],
                       "wall_s": round(time.monotonic() - start, 1)}))
 
 

@@ -25,9 +25,9 @@ def draws(signal: float, noise: float, seed: int) -> np.ndarray:
     return (signal + noise * rng.standard_normal((DRAWS, DIM))).astype(np.float32) * 1e-3
 
 
-def ratios(rloo: np.ndarray, control: np.ndarray) -> dict[str, float]:
+def ratios(rloo: np.ndarray, control: np.ndarray, eps: float = EPS) -> dict[str, float]:
     horizons = [8, 16, 24]
-    progress = screen.cross_fit_progress({"rloo": rloo, "control": control}, 3 * max(horizons), LR, EPS, sims=16)
+    progress = screen.cross_fit_progress({"rloo": rloo, "control": control}, 3 * max(horizons), LR, eps, sims=16)
     assert all(p.shape == (2, 3 * max(horizons)) for p in progress.values())  # each half's own curve
     return screen.predicted_ratios(progress["rloo"].mean(0), progress["control"].mean(0), horizons)
 
@@ -46,6 +46,14 @@ def test_noise_bound_saving_near_the_adam_floor():
     same = ratios(draws(0.3, 1.0, 1), draws(0.3, 1.0, 3))
     assert all(0.68 <= r <= 0.80 for r in noisy.values()), noisy
     assert all(0.90 <= r <= 1.10 for r in same.values()), same
+
+
+def test_an_eps_that_dwarfs_the_gradient_leaves_nothing_to_save():
+    """The same noise-bound draws (per-weight size about 1e-3) replayed with eps 1.0: AdamW's step is then SGD with
+    momentum, linear in the gradient, so half the variance no longer saves updates in expectation (about 1x), while
+    at eps 1e-8 it does (the test above). This is why the screen replays each eps the benchmark might train with."""
+    sgd_like = ratios(draws(0.3, 1.0, 1), draws(0.3, 1.0 / np.sqrt(2), 2), eps=1.0)
+    assert all(0.93 <= r <= 1.07 for r in sgd_like.values()), sgd_like
 
 
 def test_updates_to_reach_interpolates():

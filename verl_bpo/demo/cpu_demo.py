@@ -329,6 +329,11 @@ MATCHED_SETTINGS = ("+bpo.sandbox.config.", "actor_rollout_ref.actor.optim.", "+
                     "actor_rollout_ref.rollout.n=", "data.train_batch_size=")
 
 
+def matched_settings(overrides) -> set[str]:
+    """Those of hydra ``overrides`` that a budget-matched comparison must share (:data:`MATCHED_SETTINGS`)."""
+    return {o for o in overrides if o.startswith(MATCHED_SETTINGS)}
+
+
 def earlier_run(folder: Path, settings: DemoSettings) -> cpu_launch.RunResult:
     """A finished run an earlier demo left in ``folder`` (its metrics; its wall time from that demo's
     ``summary.json`` where it has one). A run on other :data:`MATCHED_SETTINGS` than this demo's (an older demo's
@@ -339,10 +344,8 @@ def earlier_run(folder: Path, settings: DemoSettings) -> cpu_launch.RunResult:
                          "pass the --out folder of an earlier demo run")
     overrides = folder / "hydra" / ".hydra" / "overrides.yaml"  # what hydra recorded of the run's command line
     if overrides.exists():
-        recorded = (line.removeprefix("- ") for line in overrides.read_text().splitlines())
-        theirs = {o for o in recorded if o.startswith(MATCHED_SETTINGS)}
-        ours = {o for o in run_overrides("grpo", folder, folder, folder, folder, 1, settings)
-                if o.startswith(MATCHED_SETTINGS)}
+        theirs = matched_settings(line.removeprefix("- ") for line in overrides.read_text().splitlines())
+        ours = matched_settings(run_overrides("grpo", folder, folder, folder, folder, 1, settings))
         if theirs != ours:
             raise ValueError(f"--grpo-from: the GRPO run in {folder} trained on other settings "
                              f"({sorted(theirs ^ ours)} differ); rerun the whole demo, or pass the eps that run trained "
