@@ -77,9 +77,13 @@ def main() -> None:
         output, wall = args.log.read_text(errors="replace"), args.wall_s
     else:
         start = time.monotonic()
-        run = subprocess.run(command, stdout=subprocess.PIPE, text=True)
-        output, wall = run.stdout, time.monotonic() - start
-        sys.stdout.write(output)
+        lines = []
+        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as run:
+            for line in run.stdout:  # shown as it comes: a long benchmark's progress is visible while it runs
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                lines.append(line)
+        output, wall = "".join(lines), time.monotonic() - start
         if run.returncode != 0:
             sys.exit(f"the benchmark failed with exit status {run.returncode}; nothing recorded")
     print(record(args.name, command, output, wall, args.note))
