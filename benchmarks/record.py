@@ -43,12 +43,13 @@ def _commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def record(name: str, command: list[str], output: str, wall_s: float, note: str = "") -> Path:
+def record(name: str, command: list[str], output: str, wall_s: float, note: str = "", commit: str | None = None
+           ) -> Path:
     entry = {
         "name": name,
         "command": shlex.join(command),
         "date": datetime.date.today().isoformat(),
-        "commit": _commit(),
+        "commit": commit or _commit(),  # the caller's, taken when the run started: commits may land during it
         "cpus": os.cpu_count(),
         "wall_s": round(wall_s, 1),
         "note": note,
@@ -71,12 +72,13 @@ def main() -> None:
     args, command = parser.parse_args(argv[:split]), argv[split + 1:]
     if not command:
         parser.error("give the benchmark command after --")
+    commit = None  # a log's run: its commit is not known here, so the current one is recorded
     if args.log is not None:
         if args.wall_s is None:
             parser.error("--log needs --wall-s")
         output, wall = args.log.read_text(errors="replace"), args.wall_s
     else:
-        start = time.monotonic()
+        start, commit = time.monotonic(), _commit()
         lines = []
         with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as run:
             for line in run.stdout:  # shown as it comes: a long benchmark's progress is visible while it runs
@@ -86,7 +88,7 @@ def main() -> None:
         output, wall = "".join(lines), time.monotonic() - start
         if run.returncode != 0:
             sys.exit(f"the benchmark failed with exit status {run.returncode}; nothing recorded")
-    print(record(args.name, command, output, wall, args.note))
+    print(record(args.name, command, output, wall, args.note, commit))
 
 
 if __name__ == "__main__":
