@@ -7,18 +7,19 @@ setting on two cores. This predicts its ratio in a few minutes, so only promisin
 It draws ``--draws`` real batch gradients of RLOO (N rollouts per task) and of RLOO-2N at the warm-start policy, on
 the learning benchmark's trainer and task (a fresh task batch and tree seed per draw, as training sees them), and
 replays AdamW on them with the weights frozen at the warm start: each simulated update draws one measured batch
-gradient (with replacement), clips it as the trainer does, and takes torch's AdamW step (betas 0.9, 0.999, the
-benchmark's eps, or each of ``--adam-eps``, and the task's learning rate; weight decay left out). Progress after t updates is the first-order
-gain in expected return, −ḡ·Δθ, with ḡ the mean gradient estimated from the *other* half of both estimators' draws
-(cross-fit, so a draw never grades its own step; one yardstick for both, so its own error does not favour either).
-The predicted ratio is the updates RLOO-2N needs to reach the progress RLOO reaches after T updates, over T, for
-several T.
+gradient (with replacement), clips it as the trainer does, and takes torch's AdamW step (betas 0.9, 0.999, each
+``--adam-eps`` (default: the benchmark's) and the task's learning rate; weight decay left out). Progress after t
+updates is the first-order gain in expected return, −ḡ·Δθ, with ḡ the mean gradient estimated from the *other* half
+of both estimators' draws (cross-fit, so a draw never grades its own step; one yardstick for both, so its own error
+does not favour either). The predicted ratio is the updates RLOO-2N needs to reach the progress RLOO reaches after T
+updates, over T, for several T.
 
 What it leaves out, and so why it is a screen: the policy moves during training, and as success rises the gradient's
 signal grows (the task becomes step-bound), so the warm start's ratio is a lower bound on a run's; collapses (a
 step that breaks the warm start) do not show. ``--after-updates K`` screens at the weights a seed's RLOO run has
-after K updates instead, to see how the ratio moves as training raises success. ``benchmarks/adam_noise_floor.py``
-gives the Gaussian model's floor (1/sqrt(2) = 0.707). A task is still qualified only by its trained control.
+after K updates (trained at the benchmark's eps) instead, to see how the ratio moves as training raises success.
+``benchmarks/adam_noise_floor.py`` gives the Gaussian model's floor (1/sqrt(2) = 0.707). A task is still qualified
+only by its trained control.
 
 Why eps matters: the first-order progress is linear in the learning rate, so the predicted ratio does not depend on
 it, but it does depend on AdamW's eps. Where eps is small against the per-weight gradient, Adam divides the noise

@@ -43,13 +43,12 @@ def _commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def record(name: str, command: list[str], output: str, wall_s: float, note: str = "", commit: str | None = None
-           ) -> Path:
+def record(name: str, command: list[str], output: str, wall_s: float, note: str, commit: str) -> Path:
     entry = {
         "name": name,
         "command": shlex.join(command),
         "date": datetime.date.today().isoformat(),
-        "commit": commit or _commit(),  # the caller's, taken when the run started: commits may land during it
+        "commit": commit,
         "cpus": os.cpu_count(),
         "wall_s": round(wall_s, 1),
         "note": note,
@@ -72,13 +71,13 @@ def main() -> None:
     args, command = parser.parse_args(argv[:split]), argv[split + 1:]
     if not command:
         parser.error("give the benchmark command after --")
-    commit = None  # a log's run: its commit is not known here, so the current one is recorded
+    commit = _commit()  # taken before the run: commits may land while a long benchmark runs
     if args.log is not None:
         if args.wall_s is None:
             parser.error("--log needs --wall-s")
         output, wall = args.log.read_text(errors="replace"), args.wall_s
     else:
-        start, commit = time.monotonic(), _commit()
+        start = time.monotonic()
         lines = []
         with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as run:
             for line in run.stdout:  # shown as it comes: a long benchmark's progress is visible while it runs
