@@ -36,11 +36,16 @@ TASKS = [{"task_id": i} for i in range(16)]
 TREES_PER_STEP = 8
 
 
+def warm_smoke_model(root):
+    """The tiny Qwen2, built under ``root`` and warm-started on the smoke sandbox's tasks."""
+    return warm_start(build_tiny_model(root / "tiny"), root / "tiny_ws", "smoke", TASKS, SMOKE,
+                      episodes=48, max_turns=4, steps=80)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("bpo_e2e")
-    model = warm_start(build_tiny_model(root / "tiny"), root / "tiny_ws", "smoke", TASKS, SMOKE,
-                       episodes=48, max_turns=4, steps=80)
+    model = warm_smoke_model(root)
     data = write_sandbox_dataset(root / "data" / "train.parquet", sandbox_rows("smoke", TASKS, SMOKE))
     return root, model, data
 

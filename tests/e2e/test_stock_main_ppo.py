@@ -15,11 +15,11 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from tests.e2e.test_bpo_trainer import largest_advantage
+# The same tasks, sandbox, warm start and N as test_bpo_trainer.py (16 tasks, 8 trees per step: with 4, every tree of
+# both steps tied, no advantage anywhere, about once in a few runs).
+from tests.e2e.test_bpo_trainer import N, SMOKE, TASKS, TREES_PER_STEP, largest_advantage, warm_smoke_model
 from tests.e2e.test_cpu_trainer import _cpu_vllm_missing
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
-from verl_bpo.demo.tiny_model import build_tiny_model
-from verl_bpo.demo.warm_start import warm_start
 from verl_bpo.platforms import cpu_launch
 
 pytestmark = [
@@ -27,11 +27,6 @@ pytestmark = [
     pytest.mark.skipif(_cpu_vllm_missing() is not None, reason=_cpu_vllm_missing() or ""),
 ]
 
-N = 4
-# 16 tasks, 8 trees per step, as in test_bpo_trainer.py: with 4 trees per step, every tree of both steps tied
-# (no advantage anywhere) about once in a few runs.
-SMOKE = {"length": 3, "max_steps": 4, "key_reward": 0.5, "num_tasks": 16}
-TASKS = [{"task_id": i} for i in range(16)]
 BPO = {"max_turns": 4, "max_tokens_per_turn": 6}
 FIXED = {"k": 2, "k0": 2}
 HOOK_LINE = "verl-bpo: algorithm.adv_estimator=bpo through verl's main_ppo"
@@ -60,8 +55,7 @@ bpo:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("stock_e2e")
-    model = warm_start(build_tiny_model(root / "tiny"), root / "tiny_ws", "smoke", TASKS, SMOKE,
-                       episodes=48, max_turns=4, steps=80)
+    model = warm_smoke_model(root)
     rows = sandbox_rows("smoke", TASKS, SMOKE)
     named = write_sandbox_dataset(root / "data" / "named.parquet", rows)
     unnamed = write_sandbox_dataset(root / "data" / "unnamed.parquet", [
@@ -72,7 +66,7 @@ def setup(tmp_path_factory):
 def train(root, name, model, data, *, adv_estimator, extra=(), first=()):
     out = root / name
     overrides = cpu_launch.cpu_overrides(
-        model, data, data, output_dir=out, n=N, batch_size=8, steps=2, adv_estimator=adv_estimator,
+        model, data, data, output_dir=out, n=N, batch_size=TREES_PER_STEP, steps=2, adv_estimator=adv_estimator,
         max_prompt_length=192, max_response_length=256, lr=1e-3, extra=extra,
     )
     if adv_estimator is None:  # the YAML sets it
