@@ -34,6 +34,9 @@ N = 4
 SMOKE = {"length": 3, "max_steps": 4, "key_reward": 0.5, "num_tasks": 16}
 TASKS = [{"task_id": i} for i in range(16)]
 TREES_PER_STEP = 8
+# The smoke trees' bpo block: a root fork of 2, then forks of 2 until N = 4 leaves.
+BPO = {"max_turns": 4, "max_tokens_per_turn": 6}
+FIXED = {"k": 2, "k0": 2}
 
 
 def warm_smoke_model(root):
@@ -56,7 +59,7 @@ def run(setup, estimator: str, *bpo: str, label: str | None = None):
     overrides = cpu_launch.cpu_overrides(
         model, data, data, output_dir=out, n=N, batch_size=TREES_PER_STEP, steps=2, adv_estimator=estimator,
         max_prompt_length=192, max_response_length=256, lr=1e-3,
-        extra=["bpo.max_turns=4", "bpo.max_tokens_per_turn=6", "bpo.fixed.k=2", "bpo.fixed.k0=2",
+        extra=[*(f"bpo.{k}={v}" for k, v in BPO.items()), *(f"bpo.fixed.{k}={v}" for k, v in FIXED.items()),
                "bpo.sandbox.name=smoke", *(f"+bpo.sandbox.config.{k}={v}" for k, v in SMOKE.items()), *bpo],
     )
     result = cpu_launch.run_trainer(overrides, log_path=out / "console.log", module="verl_bpo.main",

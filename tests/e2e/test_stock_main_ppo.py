@@ -15,9 +15,11 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-# The same tasks, sandbox, warm start and N as test_bpo_trainer.py (16 tasks, 8 trees per step: with 4, every tree of
-# both steps tied, no advantage anywhere, about once in a few runs).
-from tests.e2e.test_bpo_trainer import N, SMOKE, TASKS, TREES_PER_STEP, largest_advantage, warm_smoke_model
+# The same tasks, sandbox, bpo block, warm start and N as test_bpo_trainer.py (16 tasks, 8 trees per step: with 4,
+# every tree of both steps tied, no advantage anywhere, about once in a few runs).
+from tests.e2e.test_bpo_trainer import (
+    BPO, FIXED, N, SMOKE, TASKS, TREES_PER_STEP, largest_advantage, warm_smoke_model,
+)
 from tests.e2e.test_cpu_trainer import _cpu_vllm_missing
 from verl_bpo.data import sandbox_rows, write_sandbox_dataset
 from verl_bpo.platforms import cpu_launch
@@ -27,8 +29,6 @@ pytestmark = [
     pytest.mark.skipif(_cpu_vllm_missing() is not None, reason=_cpu_vllm_missing() or ""),
 ]
 
-BPO = {"max_turns": 4, "max_tokens_per_turn": 6}
-FIXED = {"k": 2, "k0": 2}
 HOOK_LINE = "verl-bpo: algorithm.adv_estimator=bpo through verl's main_ppo"
 
 YAML = f"""\
