@@ -35,6 +35,11 @@ from learning import task_order, trainer, tree_settings, update_batch
 from verl_bpo.demo.tasks import TASKS, task_model
 
 
+# The per-tree figures in the JSON line, from the sampler's own tree metrics (``verl_bpo.rollout.metrics``).
+PER_TREE = {"leaves": "bpo/leaves", "leaf_turns": "bpo/leaf_depth", "generated_tokens": "bpo/generated_tokens",
+            "success": "bpo/success_rate"}
+
+
 def fork_account(trees: Iterable[tuple[Sequence[Sequence[int]], Sequence[float]]]) -> dict[int, dict[str, float]]:
     """Per depth, the forks of ``trees`` (each: its leaves' root-to-leaf node paths and their returns).
 
@@ -89,10 +94,8 @@ def main() -> None:
             if b < args.warmup:
                 continue
             trees.append((result.record.leaf_paths, result.record.leaf_returns))
-            per_tree["leaves"].append(len(result.leaves))
-            per_tree["leaf_turns"].append(np.mean([len(p) - 1 for p in result.record.leaf_paths]))
-            per_tree["generated_tokens"].append(result.metrics["bpo/generated_tokens"])
-            per_tree["success"].append(result.metrics["bpo/success_rate"])
+            for key, metric in PER_TREE.items():
+                per_tree[key].append(result.metrics[metric])
     by_depth = fork_account(trees)
     for d, v in by_depth.items():
         print(f"depth {d}: {v['forks']} forks, width {v['width']}, {v['forks_decisive']} decisive")
