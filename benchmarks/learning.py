@@ -61,7 +61,8 @@ Measured, per task, seed and estimator:
 ``final_success_rloo_2n_minus_rloo``, ``qualification`` (the rule, the ratio, its CI and the seeds' updates),
 ``updates_to_target_bpo_over_grpo``, ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``,
 ``final_success_bpo_minus_rloo``, ``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``),
-``grad_var_bpo_over_rloo``, their ``ci95``, ``per_update`` costs and pre-clip gradient norm per estimator, and
+``grad_var_bpo_over_rloo``, their ``ci95``, ``per_update`` costs and pre-clip gradient norm per estimator,
+``wall_s_per_run`` (per estimator, each seed's run: its updates and held-out evaluations, two runs at a time), and
 ``targets``: on a qualified task each target with its value and ``met``, otherwise ``"not applicable: task not
 noise-limited"``. Targets (the paper's): on late-decision forms (``late``, ``hard_late``, ``real_late``) updates to
 target BPO/GRPO <= 0.62, final success BPO - GRPO >= +0.036, gradient variance BPO/RLOO <= 0.5; on early-decision
@@ -359,6 +360,7 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
         "per_update": {e: {k: round(float(np.mean([s[k] for r in runs[e] for s in r["steps"]])) * batch, 1)
                            for k in COSTS} for e in runs},
         "trained_tokens_layout": TRAINED_TOKENS_LAYOUT,
+        "wall_s_per_run": {e: [r["wall_s"] for r in runs[e]] for e in runs},
         "grad_norm_per_update": {e: round(float(np.mean([s["grad_norm"] for r in runs[e] for s in r["steps"]])), 4)
                                  for e in runs},
         "grad_tokens_per_batch": {"bpo": round(tok_b, 1), "rloo": round(tok_r, 1)},
@@ -474,6 +476,7 @@ def main() -> None:
               f" — rule: {QUALIFY_RULE}", flush=True)
         if args.control_only:
             result.update({f"{name}_{k}": v for k, v in qual.items()})
+            result[f"{name}_wall_s_per_run"] = {e: [r["wall_s"] for r in runs[e]] for e in ("rloo", CONTROL)}
             continue
         bpo_grads = pool.submit(gradient_draws, model_dir, task, "bpo", args.grad_draws, args.grad_warmup, tree)
         if args.match == "grpo":  # the paired baseline trains first: BPO's tree budgets are its tokens

@@ -27,11 +27,12 @@ def load():
 learning = load()
 
 
-def run(curve: list[float], tokens: float = 100.0, leaf: float = 300.0, packed: float = 200.0) -> dict:
+def run(curve: list[float], tokens: float = 100.0, leaf: float = 300.0, packed: float = 200.0,
+        wall: float = 10.0) -> dict:
     """A synthetic run: evaluated every EVAL_EVERY updates from update 0; per-tree costs on every step."""
     steps = [{"generated_tokens": tokens, "env_steps": 5.0, "trainer_rows": 8.0, "trained_tokens_leaf": leaf,
               "trained_tokens_packed": packed, "grad_norm": 0.01, "tree_tokens": [tokens] * BATCH}] * UPDATES
-    return {"curve": list(zip(range(0, UPDATES + 1, EVAL_EVERY), curve)), "steps": steps}
+    return {"curve": list(zip(range(0, UPDATES + 1, EVAL_EVERY), curve)), "steps": steps, "wall_s": wall}
 
 
 SLOW = [0.3, 0.4, 0.5, 0.6, 0.8]  # reaches 0.75 at update 8; final (mean of the last two) 0.7
@@ -50,7 +51,7 @@ def summarize(name: str, runs: dict, grads: dict) -> dict:
 
 def noise_limited_runs() -> dict:
     return {"rloo": [run(SLOW)] * SEEDS, learning.CONTROL: [run(FAST, tokens=200.0, leaf=600.0, packed=400.0)] * SEEDS,
-            "grpo": [run(SLOW)] * SEEDS, "bpo": [run(FAST, tokens=90.0, leaf=500.0, packed=150.0)] * SEEDS}
+            "grpo": [run(SLOW)] * SEEDS, "bpo": [run(FAST, tokens=90.0, leaf=500.0, packed=150.0, wall=12.0)] * SEEDS}
 
 
 def test_a_noise_limited_task_qualifies_and_its_targets_are_evaluated():
@@ -78,6 +79,7 @@ def test_a_noise_limited_task_qualifies_and_its_targets_are_evaluated():
                                                    "trained_tokens_leaf": 2400.0, "trained_tokens_packed": 1600.0}
     assert out["per_update"]["bpo"]["trained_tokens_packed"] == 600.0
     assert out["per_update"]["bpo"]["trained_tokens_leaf"] == 2000.0
+    assert out["wall_s_per_run"]["bpo"] == [12.0] * SEEDS and out["wall_s_per_run"]["grpo"] == [10.0] * SEEDS
     assert set(out["per_update"]) == {"bpo", "grpo", "rloo", learning.CONTROL}
 
 
