@@ -146,15 +146,21 @@ def predicted_ratios(rloo: np.ndarray, control: np.ndarray, horizons: list[int])
     return {str(t): round(updates_to_reach(control, rloo[t - 1]) / t, 4) for t in horizons if t <= len(rloo)}
 
 
-def variant(task, doors: int | None, invalid_penalty: float | None):
-    """``task`` with another door count (a tokenizer of its own, ``doors<N>``) or invalid-action penalty; its name
-    says which (``hard_late_doors16_penalty0``), so its warm start is cached apart from the task's."""
+def variant(task, doors: int | None, invalid_penalty: float | None, max_steps: int | None = None):
+    """``task`` with another door count (a tokenizer of its own, ``doors<N>``), invalid-action penalty or episode
+    step limit (the turn cap and the warm start's follow it); its name says which (``hard_late_doors16_penalty0``,
+    ``..._steps16``), so its warm start is cached apart from the task's."""
     config, name, vocabulary = dict(task.sandbox_config), task.name, task.vocabulary
+    turns, warm = task.max_turns, dict(task.warm_start)
     if doors is not None and doors != config.get("doors"):
         config["doors"], name, vocabulary = doors, f"{name}_doors{doors}", f"doors{doors}"
     if invalid_penalty is not None and invalid_penalty != config.get("invalid_penalty"):
         config["invalid_penalty"], name = invalid_penalty, f"{name}_penalty{invalid_penalty:g}"
-    return dataclasses.replace(task, name=name, sandbox_config=config, vocabulary=vocabulary)
+    if max_steps is not None and max_steps != config.get("max_steps"):
+        config["max_steps"], name = max_steps, f"{name}_steps{max_steps}"
+        turns = warm["max_turns"] = max_steps
+    return dataclasses.replace(task, name=name, sandbox_config=config, vocabulary=vocabulary, max_turns=turns,
+                               warm_start=warm)
 
 
 def main() -> None:

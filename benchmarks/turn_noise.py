@@ -19,6 +19,11 @@ batch and needs many batches (its tail comes from the rare batches with a succes
 generated tokens per batch (matched generated tokens), BPO / RLOO, with a bootstrap CI95 over the batches.
 
     python benchmarks/turn_noise.py --task hard_late [--batches 200] [--warmup 4] [--gradient]
+                                    [--invalid-penalty 0] [--max-steps 16]
+
+``--invalid-penalty`` and ``--max-steps`` measure a variant of the task (its own warm start, built the first time):
+whether the walk's noise follows what a wandering walk costs in return (penalised invalid moves, episodes that run
+out of steps before the door).
 
 Last line: one JSON object: per part (``walk``, ``last``) and score model (``independent``, ``coherent``;
 ``gradient`` with ``--gradient``) ``bpo_over_rloo`` and ``ci95``; ``tokens`` per batch of each; the settings and
@@ -36,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 from learning import bootstrap, task_order, trace_cov, trainer, tree_settings, update_batch
+from noise_screen import variant
 
 from verl_bpo.demo.tasks import TASKS, task_model
 
@@ -154,17 +160,22 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="BPO batches that teach the profile first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient", action="store_true", help="also measure the real gradient's parts")
+    parser.add_argument("--invalid-penalty", type=float, default=None,
+                        help="a variant of the task with this sandbox invalid_penalty (hard_late's: 0.1)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="a variant of the task with this episode step limit (hard_late's: 11)")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"), help="where the warm start is cached")
     args = parser.parse_args()
     t0 = time.monotonic()
-    task = TASKS[args.task]
+    task = variant(TASKS[args.task], None, args.invalid_penalty, args.max_steps)
     model_dir = task_model(args.out, task)
     runs = {est: measure(model_dir, task, est, args.batches, warmup, args.seed, args.gradient)
             for est, warmup in (("rloo", 0), ("bpo", args.warmup))}
     result = compare(runs["bpo"], runs["rloo"], args.batches)
     for part, models in result.items():
         print(part, {m: v["bpo_over_rloo"] for m, v in models.items()})
-    print(json.dumps({"task": args.task, **result, "tokens": {e: round(r["tokens"], 1) for e, r in runs.items()},
+    print(json.dumps({"task": task.name, "sandbox_config": dict(task.sandbox_config), **result,
+                      "tokens": {e: round(r["tokens"], 1) for e, r in runs.items()},
                       "batches": args.batches, "warmup": args.warmup, "seed": args.seed,
                       "wall_s": round(time.monotonic() - t0)}))
 

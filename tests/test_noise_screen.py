@@ -74,6 +74,11 @@ def test_a_variant_names_what_it_changes_and_keeps_the_rest():
     assert sparse.sandbox_config == {**task.sandbox_config, "doors": 16, "invalid_penalty": 0.0}
     assert (sparse.train_ids, sparse.eval_ids, sparse.lr, sparse.batch) == (task.train_ids, task.eval_ids, task.lr,
                                                                            task.batch)
+    roomy = screen.variant(task, None, None, max_steps=16)
+    assert roomy.name == "hard_late_steps16" and roomy.vocabulary == task.vocabulary
+    assert roomy.sandbox_config == {**task.sandbox_config, "max_steps": 16}
+    assert roomy.max_turns == 16 and roomy.warm_start == {**task.warm_start, "max_turns": 16}
+    assert screen.variant(task, None, None, max_steps=11) == task
 
 
 def test_adam_walk_is_torchs_adamw_and_eps_damps_noise_below_it():

@@ -1,7 +1,8 @@
 """The README's summary table shows what the recorded runs measured, and nothing else.
 
-A row whose source cell cites ``docs/results/<name>.json`` names the result keys it shows in backticks; each key's
-value (rounded to 2 decimals) must appear in the row's "measured" cell. The files are written by
+A row whose source cell cites ``docs/results/<name>.json`` names the result keys it shows in backticks (a nested
+value by its dotted path, ``walk.gradient.bpo_over_rloo``); each key's value (rounded to 2 decimals) must appear in the
+row's "measured" cell. The files are written by
 ``benchmarks/record.py`` from a benchmark's last line.
 """
 
@@ -41,6 +42,18 @@ def figure(value) -> str:
     return f"{value:.2f}"
 
 
+def lookup(result: dict, key: str):
+    """``result[key]``, or the value at a dotted path of nested keys; ``KeyError`` when there is none."""
+    if key in result:
+        return result[key]
+    value = result
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(key)
+        value = value[part]
+    return value
+
+
 def check(readme: str, results: Path) -> None:
     for label, name, keys, measured in cited(summary_rows(readme)):
         path = results / f"{name}.json"
@@ -50,9 +63,12 @@ def check(readme: str, results: Path) -> None:
             assert field in entry, f"{path} lacks {field!r} (write it with benchmarks/record.py)"
         assert keys, f"README row {label!r} cites {path.name} but names no result key"
         for key in keys:
-            assert key in entry["result"], f"README row {label!r}: {path.name} has no key {key!r}"
-            assert figure(entry["result"][key]) in measured, (
-                f"README row {label!r} shows {measured!r}, but {path.name}'s {key} is {entry['result'][key]}")
+            try:
+                value = lookup(entry["result"], key)
+            except KeyError:
+                raise AssertionError(f"README row {label!r}: {path.name} has no key {key!r}") from None
+            assert figure(value) in measured, (
+                f"README row {label!r} shows {measured!r}, but {path.name}'s {key} is {value}")
 
 
 def test_the_readme_figures_are_the_recorded_ones():
@@ -63,7 +79,8 @@ def test_the_readme_figures_are_the_recorded_ones():
 
 def test_a_figure_that_differs_from_its_record_is_caught(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(
-        {"command": "python b.py", "date": "2026-01-01", "wall_s": 1.0, "result": {"ratio": 0.3049}}))
+        {"command": "python b.py", "date": "2026-01-01", "wall_s": 1.0,
+         "result": {"ratio": 0.3049, "walk": {"ratio": 1.8}}}))
     table = ("## Does it help, and what does it cost?\n\n| what | measured | target | met | source |\n"
              "|---|---|---|---|---|\n| x | {} | ≤ 0.4 | yes | docs/results/run.json `ratio` |\n\n## Next\n")
     check(table.format("0.30×"), tmp_path)
@@ -71,3 +88,8 @@ def test_a_figure_that_differs_from_its_record_is_caught(tmp_path):
         check(table.format("0.31×"), tmp_path)
     with pytest.raises(AssertionError, match="no key"):
         check(table.format("0.30×").replace("`ratio`", "`ratio2`"), tmp_path)
+    check(table.format("1.80×").replace("`ratio`", "`walk.ratio`"), tmp_path)
+    with pytest.raises(AssertionError, match="walk.ratio is 1.8"):
+        check(table.format("0.30×").replace("`ratio`", "`walk.ratio`"), tmp_path)
+    with pytest.raises(AssertionError, match="no key"):
+        check(table.format("1.80×").replace("`ratio`", "`walk.nothing`"), tmp_path)
