@@ -28,7 +28,7 @@ expected step does not depend on the noise, and the predicted ratio goes to 1. T
 eps, so one screen replays several (``--adam-eps 1e-8 1e-5 1e-4``).
 
     python benchmarks/noise_screen.py --task hard_late [--batch 1] [--lr 7e-4] [--draws 96] [--seed 0] [--after-updates 0]
-                                      [--doors 16] [--invalid-penalty 0] [--adam-eps 1e-5 ...]
+                                      [--doors 16] [--invalid-penalty 0] [--max-steps 16] [--adam-eps 1e-5 ...]
 
 Last line: one JSON object: ``ratio_by_updates`` (T -> predicted RLOO-2N/RLOO updates), the same from each half of
 the draws alone (``ratio_by_updates_per_half``: their spread shows the screen's own noise), both for the first
@@ -176,6 +176,8 @@ def main() -> None:
                         help="a variant of the task with this many doors (its own tokenizer), e.g. sparser success")
     parser.add_argument("--invalid-penalty", type=float, default=None,
                         help="a variant of the task with this sandbox invalid_penalty (the task's: 0.1)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="a variant of the task with this episode step limit (hard_late's: 11)")
     parser.add_argument("--adam-eps", type=float, nargs="+", default=[ADAM_EPS],
                         help=f"AdamW eps values to replay the same draws with (default: the benchmark's, {ADAM_EPS:g})")
     parser.add_argument("--sims", type=int, default=32, help="simulated AdamW runs per half")
@@ -184,7 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     start = time.monotonic()
     task = variant(dataclasses.replace(TASKS[args.task], batch=args.batch or TASKS[args.task].batch),
-                   args.doors, args.invalid_penalty)
+                   args.doors, args.invalid_penalty, args.max_steps)
     lr = args.lr or task.lr
     model_dir = task_model(args.out.resolve(), task)
     if args.after_updates:
