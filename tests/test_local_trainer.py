@@ -186,7 +186,7 @@ def test_learning_benchmark_summary_reports_the_double_batch_control_apart_from_
     def run(tokens: float, curve: list[float]) -> dict:
         steps = [{"generated_tokens": tokens, "env_steps": 1.0, "trainer_rows": 8.0, "trained_tokens_leaf": 90.0,
                   "trained_tokens_packed": 60.0, "grad_norm": 0.01}] * 4
-        return {"steps": steps, "curve": list(zip(range(0, 5, 2), curve))}
+        return {"steps": steps, "curve": list(zip(range(0, 5, 2), curve)), "wall_s": 1.0}
 
     runs = {"grpo": [run(100, [0.3, 0.5, 0.8])] * 2, "rloo": [run(100, [0.3, 0.5, 0.8])] * 2,
             "bpo": [run(90, [0.3, 0.8, 0.9])] * 2, learning.CONTROL: [run(200, [0.3, 0.8, 0.9])] * 2}
