@@ -145,7 +145,10 @@ def update_batch(order: list[dict[str, int]], update: int, batch: int) -> list[d
 
 
 def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,
-            adam_eps: float = ADAM_EPS, lr: float | None = None, rollout_n: int = ROLLOUT_N) -> LocalRL:
+            adam_eps: float = ADAM_EPS, lr: float | None = None, rollout_n: int = ROLLOUT_N,
+            bpo: dict | None = None) -> LocalRL:
+    """The learning benchmark's trainer for ``estimator`` on ``task``; ``bpo``: settings of the ``bpo:`` block on
+    top of the benchmark's (diagnostics)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -154,7 +157,8 @@ def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: di
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LocalRLConfig(estimator=estimator, rollout_n=rollout_n, batch_size=task.batch, lr=lr or task.lr,
-                           adam_eps=adam_eps, response_length=RESPONSE_LENGTH, bpo=bpo_block(task, estimator, tree))
+                           adam_eps=adam_eps, response_length=RESPONSE_LENGTH,
+                           bpo={**bpo_block(task, estimator, tree), **(bpo or {})})
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
 

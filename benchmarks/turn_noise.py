@@ -19,11 +19,12 @@ batch and needs many batches (its tail comes from the rare batches with a succes
 generated tokens per batch (matched generated tokens), BPO / RLOO, with a bootstrap CI95 over the batches.
 
     python benchmarks/turn_noise.py --task hard_late [--batches 200] [--warmup 4] [--gradient]
-                                    [--invalid-penalty 0] [--max-steps 16]
+                                    [--invalid-penalty 0] [--max-steps 16] [--min-depth 7]
 
 ``--invalid-penalty`` and ``--max-steps`` measure a variant of the task (its own warm start, built the first time):
 whether the walk's noise follows what a wandering walk costs in return (penalised invalid moves, episodes that run
-out of steps before the door).
+out of steps before the door). ``--min-depth`` keeps the BPO trees from forking above that depth (but at the root):
+whether forks on the routine walk are what its noise follows.
 
 Last line: one JSON object: per part (``walk``, ``last``) and score model (``independent``, ``coherent``;
 ``gradient`` with ``--gradient``) ``bpo_over_rloo`` and ``ci95``; ``tokens`` per batch of each; the settings and
@@ -108,9 +109,11 @@ def part_gradients(rl, results) -> dict[str, np.ndarray]:
     return grads
 
 
-def measure(model_dir, task, estimator: str, batches: int, warmup: int, seed: int, gradient: bool) -> dict:
-    """Per batch, the noise energies (and gradient parts); the mean generated tokens per batch."""
-    rl = trainer(model_dir, task, estimator, seed, tree_settings())
+def measure(model_dir, task, estimator: str, batches: int, warmup: int, seed: int, gradient: bool,
+            bpo: dict | None = None) -> dict:
+    """Per batch, the noise energies (and gradient parts); the mean generated tokens per batch. ``bpo``: settings
+    of the ``bpo:`` block on top of the learning benchmark's."""
+    rl = trainer(model_dir, task, estimator, seed, tree_settings(), bpo=bpo)
     order = task_order(task, seed)
     energies: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     grads: dict[str, list[np.ndarray]] = collections.defaultdict(list)
@@ -160,6 +163,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="BPO batches that teach the profile first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient", action="store_true", help="also measure the real gradient's parts")
+    parser.add_argument("--min-depth", type=int, default=None,
+                        help="bpo.min_depth of the BPO trees: no fork above this depth but the root's (default: "
+                             "the benchmark's, 1)")
     parser.add_argument("--invalid-penalty", type=float, default=None,
                         help="a variant of the task with this sandbox invalid_penalty (hard_late's: 0.1)")
     parser.add_argument("--max-steps", type=int, default=None,
@@ -169,14 +175,15 @@ def main() -> None:
     t0 = time.monotonic()
     task = variant(TASKS[args.task], None, args.invalid_penalty, args.max_steps)
     model_dir = task_model(args.out, task)
-    runs = {est: measure(model_dir, task, est, args.batches, warmup, args.seed, args.gradient)
-            for est, warmup in (("rloo", 0), ("bpo", args.warmup))}
+    forks = {} if args.min_depth is None else {"min_depth": args.min_depth}
+    runs = {"rloo": measure(model_dir, task, "rloo", args.batches, 0, args.seed, args.gradient),
+            "bpo": measure(model_dir, task, "bpo", args.batches, args.warmup, args.seed, args.gradient, forks)}
     result = compare(runs["bpo"], runs["rloo"], args.batches)
     for part, models in result.items():
         print(part, {m: v["bpo_over_rloo"] for m, v in models.items()})
     print(json.dumps({"task": task.name, "sandbox_config": dict(task.sandbox_config), **result,
                       "tokens": {e: round(r["tokens"], 1) for e, r in runs.items()},
-                      "batches": args.batches, "warmup": args.warmup, "seed": args.seed,
+                      "batches": args.batches, "warmup": args.warmup, "seed": args.seed, "min_depth": args.min_depth,
                       "wall_s": round(time.monotonic() - t0)}))
 
 
