@@ -78,6 +78,7 @@ import multiprocessing
 import os
 import random
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -142,6 +143,18 @@ def task_order(task: DemoTask, seed: int) -> list[dict[str, int]]:
 def update_batch(order: list[dict[str, int]], update: int, batch: int) -> list[dict[str, int]]:
     """The ``batch`` tasks of one update."""
     return [order[(update * batch + j) % len(order)] for j in range(batch)]
+
+
+def warm_start_batches(rl: LocalRL, task: DemoTask, seed: int, batches: int, warmup: int) -> Iterator[list]:
+    """The rollouts (one tree per task) of ``batches`` task batches in the seed's training order at ``rl``'s
+    weights, which never change, after ``warmup`` batches that only teach BPO's profile; each batch a fresh tree
+    seed (the diagnostics' draws)."""
+    order = task_order(task, seed)
+    for b in range(warmup + batches):
+        rl.updates = b
+        results = rl.rollout(update_batch(order, b, task.batch))
+        if b >= warmup:
+            yield results
 
 
 def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: dict,

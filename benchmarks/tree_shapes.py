@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from learning import task_order, trainer, tree_settings, update_batch
+from learning import trainer, tree_settings, warm_start_batches
 
 from verl_bpo.demo.tasks import TASKS, task_model
 
@@ -85,14 +85,10 @@ def main() -> None:
     t0 = time.monotonic()
     task = TASKS[args.task]
     rl = trainer(task_model(args.out, task), task, "bpo", args.seed, tree_settings())
-    order = task_order(task, args.seed)
     trees, plans, per_tree = [], collections.Counter(), collections.defaultdict(list)
-    for b in range(args.warmup + args.batches):
-        rl.updates = b  # a fresh tree seed per batch; the weights never change
-        for result in rl.rollout(update_batch(order, b, task.batch)):
-            plans[result.record.plan] += b >= args.warmup
-            if b < args.warmup:
-                continue
+    for results in warm_start_batches(rl, task, args.seed, args.batches, args.warmup):
+        for result in results:
+            plans[result.record.plan] += 1
             trees.append((result.record.leaf_paths, result.record.leaf_returns))
             for key, metric in PER_TREE.items():
                 per_tree[key].append(result.metrics[metric])

@@ -45,15 +45,20 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from learning import bootstrap, task_order, trace_cov, trainer, tree_settings, update_batch
+from learning import bootstrap, trace_cov, trainer, tree_settings, warm_start_batches
 from noise_screen import variant
 
 from verl_bpo.demo.tasks import TASKS, task_model
 
 PARTS = ("walk", "last")
 # One generated turn of one leaf row: its node (shared by the leaves through it), its token ids and loss
-# coefficients, and whether it is the leaf's last turn.
-Turn = tuple[object, Sequence[int], Sequence[float], bool]
+# coefficients, and its part (``walk`` or ``last``).
+Turn = tuple[object, Sequence[int], Sequence[float], str]
+
+
+def turn_part(k: int, turns: int) -> str:
+    """The part of a leaf's ``k``-th of ``turns`` turns: ``last`` for its last turn, ``walk`` for every other."""
+    return "last" if k == turns - 1 else "walk"
 
 
 def noise_energies(turns: Iterable[Turn]) -> dict[str, dict[str, float]]:
@@ -62,9 +67,8 @@ def noise_energies(turns: Iterable[Turn]) -> dict[str, dict[str, float]]:
     by_node: dict[object, np.ndarray] = {}
     part_of: dict[object, str] = {}
     by_token: dict[str, collections.defaultdict[int, float]] = {p: collections.defaultdict(float) for p in PARTS}
-    for node, ids, coefs, last in turns:
+    for node, ids, coefs, part in turns:
         coefs = np.asarray(coefs, dtype=np.float64)
-        part = "last" if last else "walk"
         by_node[node] = by_node.get(node, 0.0) + coefs
         part_of.setdefault(node, part)
         for token, c in zip(ids, coefs):
@@ -85,7 +89,7 @@ def batch_turns(rl, results) -> list[Turn]:
         ids, spans = leaf.transcript.response_ids, leaf.meta.turn_spans
         for k, (s, e) in enumerate(spans):
             node = (leaf.meta.tree_id, leaf.meta.node_path[k + 1])
-            turns.append((node, ids[s:e], coefs[row, s:e], k == len(spans) - 1))
+            turns.append((node, ids[s:e], coefs[row, s:e], turn_part(k, len(spans))))
     return turns
 
 
@@ -101,8 +105,8 @@ def part_gradients(rl, results) -> dict[str, np.ndarray]:
             keep = torch.zeros_like(advantages)
             for row, leaf in enumerate(batch["leaves"]):
                 spans = leaf.meta.turn_spans
-                for s, e in (spans[:-1] if part == "walk" else spans[-1:]):
-                    keep[row, s:e] = 1.0
+                for k, (s, e) in enumerate(spans):
+                    keep[row, s:e] = float(turn_part(k, len(spans)) == part)
             return advantages * keep
         rl._advantages = masked
         try:
@@ -118,15 +122,10 @@ def measure(model_dir, task, estimator: str, batches: int, warmup: int, seed: in
     """Per batch, the noise energies (and gradient parts); the mean generated tokens per batch. ``bpo``: settings
     of the ``bpo:`` block on top of the learning benchmark's."""
     rl = trainer(model_dir, task, estimator, seed, tree_settings(), bpo=bpo)
-    order = task_order(task, seed)
     energies: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     grads: dict[str, list[np.ndarray]] = collections.defaultdict(list)
     tokens = []
-    for b in range(warmup + batches):
-        rl.updates = b  # a fresh tree seed per batch; the weights never change
-        results = rl.rollout(update_batch(order, b, task.batch))
-        if b < warmup:
-            continue
+    for results in warm_start_batches(rl, task, seed, batches, warmup):
         tokens.append(sum(r.metrics["bpo/generated_tokens"] for r in results))
         for part, values in noise_energies(batch_turns(rl, results)).items():
             for model, value in values.items():
