@@ -51,6 +51,67 @@ def test_variogram_weights_pairs_by_their_leaves_masses():
     np.testing.assert_allclose(profile._gamma[0], 1 / 3)
 
 
+def split_at(depth: int, returns: tuple[float, float], horizon: int = T) -> TreeRecord:
+    """Two leaves of ``horizon`` turns whose paths share the first ``depth`` turns, then part."""
+    shared = tuple(range(depth + 1))
+    paths = [shared + tuple(100 * leaf + j for j in range(depth + 1, horizon + 1)) for leaf in (1, 2)]
+    return TreeRecord(leaf_paths=paths, leaf_returns=list(returns), leaf_masses=[0.5, 0.5],
+                      turn_uncertainty={node: 0.3 for path in paths for node in path}, turn_tokens={},
+                      score_free=True, plan="explore")
+
+
+def walk_then_door() -> list[TreeRecord]:
+    """A task decided by its last turn (depth 7): a root split and a door split see the same return variance (¼);
+    two walk depths were split by three trees each, which by chance saw ½ at depth 2 and 0 at depth 3."""
+    records = [split_at(d, (1.0, 0.0) if i % 2 else (0.0, 0.0)) for i in range(40) for d in (0, 7)]
+    return records + [split_at(2, (1.0, 0.0)) for _ in range(3)] + [split_at(3, (0.0, 0.0)) for _ in range(3)]
+
+
+def test_a_walk_split_by_a_few_trees_does_not_read_as_a_decision():
+    """The conditional return variance cannot grow with depth, so the variogram is fitted non-increasing: the few
+    trees at depths 2 and 3 pool with the many at 0 and 7, and only the door injects variance. (Differencing the
+    raw means put ½ at depth 2, above the door's ¼, and forks went to the walk.)"""
+    profile = DepthProfile(horizon=T, prior=0.0, window=10**6)
+    for record in walk_then_door():
+        profile.update(record)
+    injected = profile.injected_variance()
+    assert np.all(injected[:7] == 0) and injected[7] > 0.15
+
+
+def test_a_learned_plan_forks_only_at_its_shapes_depths_whatever_a_node_holds():
+    """A node handed more than its shape planned (paths that ended early leave a surplus) keeps it for the next
+    depth the shape forks at, instead of forking where the model buys nothing."""
+    policy = ForkPolicy(learned(warmup_trees=0, explore_share=0.0, budget_unit="turns"))
+    for record in walk_then_door():
+        policy.learn(record)
+    plan = policy.start_tree(N, seed=0)
+    assert isinstance(plan, AllocationPlan) and plan.shape.widths[3] == 1 and plan.shape.widths[7] > 1
+
+    def view(depth: int, budget: float) -> NodeView:
+        return NodeView(node_id=depth, depth=depth, history=(), parent_turn_surprisal=0.1, forks_on_path=0,
+                        turns_since_fork=depth, horizon_left=T - depth, budget=budget)
+
+    rich = 20 * plan.planned[3]
+    assert plan.widths([view(3, rich)], [0.0]) == [1]
+    assert plan.widths([view(7, plan.planned[7])], [0.0])[0] > 1
+
+
+def test_an_exploration_tree_forks_all_its_root_paths_at_one_depth():
+    """One fork depth per tree (drawn uniformly), so its root siblings' identical routine turns cancel as RLOO's
+    do; across trees every depth is explored."""
+    results, _ = grow("late", learned(warmup_trees=40), 40)
+    depths_seen = set()
+    for result in results:
+        by_root: dict[int, list] = {}
+        for leaf in result.leaves:
+            by_root.setdefault(leaf.meta.node_path[1], []).append(leaf.meta.node_path)
+        depths = {next(j for j in range(1, len(a)) if a[j] != b[j]) - 1 for a, b in
+                  (paths for paths in by_root.values() if len(paths) == 2)}
+        assert len(depths) == 1
+        depths_seen |= depths
+    assert depths_seen == set(range(1, T))
+
+
 def grow(regime: str, config: BPOConfig, n_trees: int, seed: int = 0, **problem_args):
     policy = ForkPolicy(config)
     return sample_trees(regime, problem_args, config, N, n_trees, seed=seed, policy=policy), policy

@@ -30,8 +30,8 @@ Objects, from the longest-lived down:
     a task decided by its first move gets the flat shape K0 = N (RLOO, which under the model it cannot do worse
     than).
   - :class:`ExplorePlan` (``learned``, warm-up and ``explore_share``): enough root paths to fill the budget on
-    average (N/2 under a leaf budget), each forking once into 2 at a depth drawn uniformly, independent of any
-    score; its leaf pairs teach the profile where outcomes split.
+    average (N/2 under a leaf budget), each forking once into 2 at the tree's one depth drawn uniformly,
+    independent of any score; its leaf pairs teach the profile where outcomes split.
 
 **The budget.** A tree's :class:`TreeBudget` counts one unit: ``leaves`` (the fixed rule, exactly N, and
 ``bpo.learned.budget_unit=leaves``), ``turns`` or ``tokens``. The root holds the tree's amount (``root_budget``)
@@ -303,10 +303,13 @@ class AllocationPlan(_LearnedPlan):
 
     At the tree's start the search picks per-depth widths K_d among the candidate shapes whose cost fits the root
     budget B (the flat shape K_0 = N, RLOO, is one: the tree becomes it when the first turn decides everything or
-    nothing is known). A node at depth d holding amount b then gets K = stochastic_round(K_d · b / P_d) children,
-    clamped to [1, b / C_d] (the root at least 2): P_d is what the shape plans to spend below such a node and C_d
-    the expected cost of one path from d to its end, so a subtree that was handed more than planned (by paths
-    that ended early) widens, one handed less narrows, and the budget is kept.
+    nothing is known). A node at a depth d where the shape forks (K_d > 1), holding amount b, then gets
+    K = stochastic_round(K_d · b / P_d) children, clamped to [1, b / C_d] (the root at least 2): P_d is what the
+    shape plans to spend below such a node and C_d the expected cost of one path from d to its end, so a subtree
+    that was handed more than planned (by paths that ended early) widens, one handed less narrows, and the budget
+    is kept. A node at a depth where the shape makes no fork never forks: what it holds beyond the plan goes down to
+    the next depth that does, since a fork elsewhere buys what the model prices lower, and on a routine walk it
+    leaves sibling turns' coefficients uncancelled (docs/results.md, "Where the noise sits").
 
     The model measures a turn's gradient size by 1 − p(token), blind to how large each token's parameter gradient
     is, and assumes that size independent of the return; on a real policy the allocation can lose
@@ -343,8 +346,8 @@ class AllocationPlan(_LearnedPlan):
         return widths
 
     def _width(self, depth: int, amount: float) -> int:
-        if depth >= len(self.planned):
-            return 1
+        if depth >= len(self.planned) or self.shape.widths[depth] <= 1:
+            return 1  # off the shape's fork depths a surplus flows down to the next one (class docstring)
         planned = self.planned[depth]
         x = self.shape.widths[depth] * amount / planned if planned > 0 else 1.0
         high = amount if self.budget.unit == "leaves" else amount / self.cost_left[depth]
@@ -356,9 +359,12 @@ class AllocationPlan(_LearnedPlan):
 
 
 class ExplorePlan(_LearnedPlan):
-    """The exploration shape: R root paths, each forking once into 2 at a depth drawn uniformly from [1, H − 1] (a
-    fork hazard of 1 / (H − depth) at each depth), independent of any score. H is the expected episode length the
-    profile has learned (``max_turns`` before any tree), so forks land where episodes go.
+    """The exploration shape: R root paths, each forking once into 2 at one depth drawn for the tree uniformly from
+    [1, H − 1], independent of any score. H is the expected episode length the profile has learned (``max_turns``
+    before any tree), so forks land where episodes go. Every root path forks at the tree's one depth, not each at
+    its own: identical routine turns of root siblings then share one leave-one-out baseline whose coefficients
+    cancel, as RLOO's do; forks at scattered depths end the siblings' segments at different depths and leave those
+    turns' coefficients uncancelled (docs/results.md, "Where the noise sits").
 
     R fills the budget on average: R = stochastic_round(B / (c + s̄)), c the expected cost of an episode and s̄ that
     of the suffix a fork at a uniformly drawn depth adds (both from the profile), at least 2 and at most the leaf
@@ -382,12 +388,13 @@ class ExplorePlan(_LearnedPlan):
         self.budget.reserve(self.root_width)
         # forks of 2 left: one per root path, and under a leaf budget no more than the N leaves allow
         self.forks_left = (rollout_n - self.root_width) if unit == "leaves" else self.root_width
+        self.fork_depth = self.rng.randint(1, max(self.horizon - 1, 1))
 
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         widths = []
         for view in views:
-            fork = (view.forks_on_path == 0 and self.forks_left > 0 and self.budget.leaves_left > 0
-                    and self.rng.random() < 1.0 / max(self.horizon - view.depth, 1))
+            fork = (view.depth == self.fork_depth and view.forks_on_path == 0 and self.forks_left > 0
+                    and self.budget.leaves_left > 0)
             widths.append(2 if fork else 1)
             self.forks_left -= fork
             self.budget.reserve(widths[-1])

@@ -12,7 +12,12 @@ log-probs) gives, per depth j < T:
           forks were decided without reading any node's content (the learned plans decide by depth and budget
           only), so the pairs at a split are fresh samples of the state there and the profile never biases itself;
     D_j = S_j γ_j − S_{j+1} γ_{j+1}: the return variance injected by the turn at depth j (γ_T = 0), each
-          estimate shrunk by one standard error across trees.
+          estimate shrunk by one standard error across trees. S_j γ_j is the expected conditional variance of the
+          return given the first j turns, which cannot grow with j (total variance), so it is fitted as a
+          non-increasing sequence (pool adjacent violators, each depth weighted by the trees that measured it):
+          a depth few trees split at, common when only exploration trees fork there, shares its neighbours'
+          evidence, so noise between two such depths does not read as a decision (a flat walk followed by one
+          decisive turn put spurious forks on the walk, docs/results.md, "Where the noise sits").
 
 A share σ_j = κ · min(e_j, 1 − e_j) · D_j is credited one depth earlier (κ = ``bpo.learned.profile_prior``): returns
 alone cannot tell where the decisive action's expected gradient changes (a task and its twin whose success
@@ -184,15 +189,22 @@ class DepthProfile:
         return max(float((s[depth:] * c[depth:]).sum() / alive), float(c[depth]))
 
     def injected_variance(self) -> np.ndarray:
-        """D^R_j = S_j γ_j − S_{j+1} γ_{j+1}, each γ shrunk toward its neighbours' information by one SE."""
+        """D^R_j = S_j γ_j − S_{j+1} γ_{j+1}, from the non-increasing fit of S_j γ_j (module docstring), each
+        difference shrunk by one SE of the two fitted values."""
         n = self._gamma_trees
-        mean = np.where(n > 0, self._gamma / np.maximum(n, 1e-12), np.nan)
-        var = np.where(n > 1, self._gamma_sq / np.maximum(n, 1e-12) - np.nan_to_num(mean) ** 2, 0.0)
-        se = np.sqrt(np.maximum(var, 0.0) / np.maximum(n, 1.0))
-        gamma = _fill_forward(mean)
+        measured = n > 0
+        mean = np.where(measured, self._gamma / np.maximum(n, 1e-12), 0.0)
+        spread = np.where(n > 1, self._gamma_sq / np.maximum(n, 1e-12) - mean ** 2, 0.0)
         s = self.survival
+        fit, se = np.full(self.horizon, np.nan), np.zeros(self.horizon)
+        depths = np.flatnonzero(measured)
+        if depths.size:
+            # weights ∝ trees (not 1/SE²: a depth seen in a few trees that happened to agree has SE 0)
+            fit[depths], se[depths] = _non_increasing(s[depths] * mean[depths], n[depths],
+                                                      s[depths] ** 2 * np.maximum(spread[depths], 0.0))
+        gamma = _fill_forward(fit / np.maximum(s, 1e-12))  # unmeasured depths: γ as before them, scaled by S
         scaled = np.concatenate([s * gamma, [0.0]])
-        scaled_se = np.concatenate([s * np.where(np.isnan(mean), 0.0, se), [0.0]])
+        scaled_se = np.concatenate([se, [0.0]])
         raw = scaled[:-1] - scaled[1:]
         return np.maximum(raw - np.sqrt(scaled_se[:-1] ** 2 + scaled_se[1:] ** 2), 0.0)
 
@@ -226,6 +238,24 @@ class DepthProfile:
             out[f"bpo/profile/gradient_mass/d{j}"] = float(mass[j])
             out[f"bpo/profile/survival/d{j}"] = float(survival[j])
         return out
+
+
+def _non_increasing(values: np.ndarray, trees: np.ndarray, spread: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The weighted least-squares non-increasing fit of per-depth means ``values`` (pool adjacent violators),
+    each depth weighted by the ``trees`` that measured it, and per depth the standard error of its pooled block,
+    from the per-tree variances ``spread``. A block's SE comes from all the trees it pools, so a depth that a few
+    trees measured borrows its neighbours' evidence instead of deciding a fork alone."""
+    blocks: list[list] = []  # [weighted sum, weight, Σ weight·spread, first index, last index]
+    for i, (v, w, var) in enumerate(zip(values, trees, spread)):
+        blocks.append([w * v, w, w * var, i, i])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            last = blocks.pop()
+            blocks[-1] = [a + b for a, b in zip(blocks[-1][:3], last[:3])] + [blocks[-1][3], last[4]]
+    fit, se = np.empty(len(values)), np.empty(len(values))
+    for total, weight, var, first, last in blocks:
+        fit[first:last + 1] = total / weight
+        se[first:last + 1] = math.sqrt(var / weight / weight) if weight > 0 else 0.0
+    return fit, se
 
 
 def _fill_forward(values: np.ndarray) -> np.ndarray:
