@@ -393,8 +393,8 @@ class ExplorePlan(_LearnedPlan):
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         widths = []
         for view in views:
-            fork = (view.depth == self.fork_depth and view.forks_on_path == 0 and self.forks_left > 0
-                    and self.budget.leaves_left > 0)
+            # a path reaches the tree's one fork depth once, so it forks at most once
+            fork = view.depth == self.fork_depth and self.forks_left > 0 and self.budget.leaves_left > 0
             widths.append(2 if fork else 1)
             self.forks_left -= fork
             self.budget.reserve(widths[-1])

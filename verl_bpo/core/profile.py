@@ -244,7 +244,7 @@ def _non_increasing(values: np.ndarray, trees: np.ndarray, spread: np.ndarray) -
     """The weighted least-squares non-increasing fit of per-depth means ``values`` (pool adjacent violators),
     each depth weighted by the ``trees`` that measured it, and per depth the standard error of its pooled block,
     from the per-tree variances ``spread``. A block's SE comes from all the trees it pools, so a depth that a few
-    trees measured borrows its neighbours' evidence instead of deciding a fork alone."""
+    trees measured borrows its neighbours' evidence instead of deciding a fork alone. ``trees`` must be positive."""
     blocks: list[list] = []  # [weighted sum, weight, Σ weight·spread, first index, last index]
     for i, (v, w, var) in enumerate(zip(values, trees, spread)):
         blocks.append([w * v, w, w * var, i, i])
@@ -254,7 +254,7 @@ def _non_increasing(values: np.ndarray, trees: np.ndarray, spread: np.ndarray) -
     fit, se = np.empty(len(values)), np.empty(len(values))
     for total, weight, var, first, last in blocks:
         fit[first:last + 1] = total / weight
-        se[first:last + 1] = math.sqrt(var / weight / weight) if weight > 0 else 0.0
+        se[first:last + 1] = math.sqrt(var) / weight
     return fit, se
 
 
