@@ -2,7 +2,8 @@
 
 Every benchmark here prints one JSON object as its last line. This runs one (or reads the log of a finished run) and
 writes that object with what it takes to reproduce and judge it: the command, the date, the commit, the machine's
-cores and the wall time. The README's summary table cites these files by name and key, and
+cores and CPU model, and the wall time. The CPU model is there because a run reproduces to the digit only on the
+kind of machine that made it: another CPU's floating point draws other samples from the same code and seeds. The README's summary table cites these files by name and key, and
 ``tests/test_readme_results.py`` checks every cited figure against them, so a README figure changes only with a
 recorded run.
 
@@ -16,6 +17,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -43,6 +45,17 @@ def _commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def record(name: str, command: list[str], output: str, wall_s: float, note: str, commit: str) -> Path:
     entry = {
         "name": name,
@@ -50,6 +63,7 @@ def record(name: str, command: list[str], output: str, wall_s: float, note: str,
         "date": datetime.date.today().isoformat(),
         "commit": commit,
         "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
         "wall_s": round(wall_s, 1),
         "note": note,
         "result": last_json_line(output),

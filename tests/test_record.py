@@ -23,6 +23,7 @@ def test_records_the_last_json_line_and_shows_every_line(monkeypatch, tmp_path, 
     run(monkeypatch, tmp_path, "print('progress 1', flush=True); print('{\"ratio\": 0.5}')")
     saved = json.loads((tmp_path / "demo_result.json").read_text())
     assert saved["result"] == {"ratio": 0.5} and "print(" in saved["command"]
+    assert saved["cpu"] == record.cpu_model() and saved["cpu"]  # runs reproduce per kind of machine
     assert "progress 1" in capsys.readouterr().out
 
 
