@@ -62,8 +62,9 @@ Measured, per task, seed and estimator:
 ``updates_to_target_bpo_over_grpo``, ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``,
 ``final_success_bpo_minus_rloo``, ``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``),
 ``grad_var_bpo_over_rloo``, their ``ci95``, ``per_update`` costs and pre-clip gradient norm per estimator,
-``wall_s_per_run`` (per estimator, each seed's run: its updates and held-out evaluations, two runs at a time), and
-``targets``: on a qualified task each target with its value and ``met``, otherwise ``"not applicable: task not
+``wall_s_per_run`` (per estimator, each seed's run: its updates and held-out evaluations, two runs at a time),
+``curves`` (each seed's held-out success at ``curve_updates``), ``fallen_seeds`` (per estimator, the runs that fell
+to no success after a warm start that had some), and ``targets``: on a qualified task each target with its value and ``met``, otherwise ``"not applicable: task not
 noise-limited"``. Targets (the paper's): on late-decision forms (``late``, ``hard_late``, ``real_late``) updates to
 target BPO/GRPO <= 0.62, final success BPO - GRPO >= +0.036, gradient variance BPO/RLOO <= 0.5; on early-decision
 forms (``*early``) final success BPO - RLOO >= -0.02 (a tie).
@@ -308,6 +309,14 @@ def success_at_tokens(run: dict, tokens: float, batch: int) -> float:
     return float(np.interp(tokens, [spent[u] for u, _ in run["curve"]], [s for _, s in run["curve"]]))
 
 
+def fallen(run: dict) -> bool:
+    """Whether a run fell: an evaluation after its warm start read no success at all where the warm start read
+    some (the collapse to a never-winning policy that a few runs show; which run falls is a draw, so the summary
+    counts them per estimator)."""
+    start, *later = [s for _, s in run["curve"]]
+    return start > 0 and any(s == 0 for s in later)
+
+
 def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int, eval_every: int,
               batch: int) -> dict:
     """One task's summary from plain data (no model): ``runs``: estimator (``bpo``, ``grpo``, ``rloo``,
@@ -374,6 +383,9 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
         "matched_tokens": [round(t) for t in least],
         "success_at_matched_tokens": {e: [round(float(v), 4) for v in matched[e]] for e in ESTIMATORS},
         "final_success": {e: [round(float(v), 4) for v in final[e]] for e in runs},
+        "fallen_seeds": {e: [seed for seed, r in enumerate(runs[e]) if fallen(r)] for e in runs},
+        "curve_updates": [u for u, _ in runs["rloo"][0]["curve"]],
+        "curves": {e: [[round(float(s), 4) for _, s in r["curve"]] for r in runs[e]] for e in runs},
         "per_update": {e: {k: round(float(np.mean([s[k] for r in runs[e] for s in r["steps"]])) * batch, 1)
                            for k in COSTS} for e in runs},
         "trained_tokens_layout": TRAINED_TOKENS_LAYOUT,

@@ -134,6 +134,17 @@ def test_censored_seeds_count_as_updates_plus_eval_every():
     assert out["tokens_to_target"]["grpo"] == [3200] * 5 + [4000]
 
 
+def test_runs_that_fell_to_no_success_and_every_seed_curve_are_reported():
+    runs = noise_limited_runs()
+    runs["bpo"] = [run(FAST)] * 4 + [run([0.3, 0.0, 0.0, 0.0, 0.0]), run([0.3, 0.4, 0.0, 0.5, 0.8])]
+    runs["grpo"] = [run([0.0, 0.0, 0.4, 0.6, 0.8])] + [run(SLOW)] * 5  # a warm start at zero has not fallen
+    gram_b, gram_r = grams()
+    out = summarize("hard_late", runs, {"bpo": (gram_b, 100.0), "rloo": (gram_r, 100.0)})
+    assert out["fallen_seeds"] == {"bpo": [4, 5], "grpo": [], "rloo": [], learning.CONTROL: []}
+    assert out["curve_updates"] == [0, 2, 4, 6, 8]
+    assert out["curves"]["bpo"][4] == [0.3, 0.0, 0.0, 0.0, 0.0] and len(out["curves"]["grpo"]) == SEEDS
+
+
 def test_tokens_to_target_and_success_at_matched_tokens():
     r = {"steps": [{"generated_tokens": 10.0}, {"generated_tokens": 30.0}], "curve": [(0, 0.2), (2, 0.6)]}
     assert learning.tokens_until(r, 1, 4) == 40.0
