@@ -65,9 +65,9 @@ Measured, per task, seed and estimator:
 ``wall_s_per_run`` (per estimator, each seed's run: its updates and held-out evaluations, two runs at a time),
 ``curves`` (each seed's held-out success at ``curve_updates``), ``fallen_seeds`` (per estimator, the runs that fell
 to no success after a warm start that had some), and ``targets``: on a qualified task each target with its value
-and ``met``, otherwise ``"not applicable: task not noise-limited"``. Targets (the paper's): on late-decision forms (``late``, ``hard_late``, ``real_late``) updates to
-target BPO/GRPO <= 0.62, final success BPO - GRPO >= +0.036, gradient variance BPO/RLOO <= 0.5; on early-decision
-forms (``*early``) final success BPO - RLOO >= -0.02 (a tie).
+and ``met``, otherwise ``"not applicable: task not noise-limited"``. Targets (the paper's): on late-decision forms
+(``late``, ``hard_late``, ``real_late``) updates to target BPO/GRPO <= 0.62, final success BPO - GRPO >= +0.036,
+gradient variance BPO/RLOO <= 0.5; on early-decision forms (``*early``) final success BPO - RLOO >= -0.02 (a tie).
 """
 
 from __future__ import annotations

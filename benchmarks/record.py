@@ -3,9 +3,9 @@
 Every benchmark here prints one JSON object as its last line. This runs one (or reads the log of a finished run) and
 writes that object with what it takes to reproduce and judge it: the command, the date, the commit, the machine's
 cores and CPU model, and the wall time. The CPU model is there because a run reproduces to the digit only on the
-kind of machine that made it: another CPU's floating point draws other samples from the same code and seeds. The README's summary table cites these files by name and key, and
-``tests/test_readme_results.py`` checks every cited figure against them, so a README figure changes only with a
-recorded run.
+kind of machine that made it: another CPU's floating point draws other samples from the same code and seeds. The
+README's summary table cites these files by name and key, and ``tests/test_readme_results.py`` checks every cited
+figure against them, so a README figure changes only with a recorded run.
 
     python benchmarks/record.py variance_quick -- python benchmarks/variance.py --quick
     python benchmarks/record.py variance_quick --log run.log --wall-s 512 -- python benchmarks/variance.py --quick
