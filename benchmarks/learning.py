@@ -11,7 +11,11 @@ update) and its updates per run.
 For each task and seed, every estimator trains from the same warm start on the same task order with
 :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator registry and policy loss with the
 arguments verl's actor passes; an in-process policy and optimizer instead of vLLM and FSDP, so that several seeds fit
-on a CPU box). Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per task
+on a CPU box). Each seed has its own warm start (``--warm-starts per-seed``, the default: seed s trains from
+``task_model(..., seed=s)``, the same recipe on other demonstrations), so the paired bootstrap over seeds spans warm
+starts as well as training draws: with one warm start for every seed (``--warm-starts one``, the records before
+2026-12-06) the qualification verdict moved from one box to another, because each box's floating point trains
+another warm start. Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per task
 with ``bpo.allocation=learned`` and ``bpo.learned.budget_unit=tokens``, up to ``--max-leaves`` leaves. Its tree's
 token budget is, by default (``--match grpo``), exactly the tokens GRPO's group generated on the same task at the same
 update of the same seed (GRPO trains first), so BPO and GRPO are matched in generated tokens per update throughout
@@ -27,7 +31,7 @@ half RLOO's gradient variance per update, at twice its tokens). The task is *qua
 target in at most ``QUALIFY_MAX_RATIO`` = 0.75× RLOO's updates **and** the upper end of that ratio's CI95 is below
 1.0 (:func:`qualification`: the ratio of the seeds' mean updates to target, paired bootstrap over seeds, a censored
 seed counted as updates + ``--eval-every``). Near 1, progress per update is bounded by the optimizer's step, not by
-gradient noise, and no estimator with less variance could take fewer updates. RLOO's batch signal-to-noise at the
+gradient noise, and no estimator with less variance could take fewer updates. RLOO's batch signal-to-noise at seed 0's
 warm start (``‖E ĝ‖² / tr Cov ĝ``) is reported beside it. The verdict is printed before GRPO and BPO train; the
 targets apply only to qualified tasks, and tasks that fail the rule are reported too.
 
@@ -44,7 +48,7 @@ Measured, per task, seed and estimator:
 * **success at matched tokens** — per seed, each run's success once it has generated as many tokens as the run
   that generated least over its updates (interpolated between evaluations): the end of training at matched
   generated tokens;
-* **gradient variance at matched tokens** — at the warm-start policy, ``--grad-draws`` independent batches per
+* **gradient variance at matched tokens** — at seed 0's warm-start policy, ``--grad-draws`` independent batches per
   estimator (BPO after ``--grad-warmup`` batches that teach its profile): tr Cov(ĝ) × generated tokens per batch,
   BPO over RLOO (both unbiased and on one scale), and each batch gradient's signal-to-noise;
 * **costs per update**, per estimator (RLOO-2N included): generated tokens, environment steps, trainer rows, and
@@ -54,7 +58,8 @@ Measured, per task, seed and estimator:
 
 95% confidence intervals: paired bootstrap over seeds (learning), bootstrap over draws (variance).
 
-    python benchmarks/learning.py [--tasks ...] [--seeds 6] [--updates N] [--match grpo] [--out runs/learning]
+    python benchmarks/learning.py [--tasks ...] [--seeds 6] [--updates N] [--match grpo] [--warm-starts per-seed]
+                                   [--out runs/learning]
 
 (``--updates``: default each task's own.) Last line: one JSON object with, per task prefix (``<task>_``):
 ``qualified`` (true/false, the rule above), ``snr_rloo``, ``updates_to_target_rloo_2n_over_rloo``,
@@ -466,6 +471,9 @@ def main() -> None:
                         help="whose generated tokens per task and update BPO's tree budget is (module docstring)")
     parser.add_argument("--tasks", nargs="+", default=default_tasks(), choices=list(TASKS),
                         help=f"default: every task but the step-bound reference {' '.join(REFERENCE_TASKS)}")
+    parser.add_argument("--warm-starts", choices=("per-seed", "one"), default="per-seed",
+                        help="per-seed: seed s trains from warm start s, so the CI95 spans warm starts too; "
+                             "one: every seed from warm start 0 (the records before 2026-12-06)")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
     out = args.out.resolve()
@@ -477,12 +485,17 @@ def main() -> None:
     for name in args.tasks:
         task = dataclasses.replace(TASKS[name], batch=args.batch or TASKS[name].batch)
         updates = args.updates or task.updates
-        model_dir = task_model(out, task)
+        # Each seed's warm start, shared by its estimators so that the pairing holds. Warm start 0 first (it builds
+        # the base model and tokenizer the others start from), the others on the pool.
+        warm = {0: task_model(out, task)}
+        more = list(range(1, args.seeds)) if args.warm_starts == "per-seed" else []
+        warm.update(zip(more, pool.map(task_model, [out] * len(more), [task] * len(more), more)))
+        model_dirs = [warm.get(seed, warm[0]) for seed in range(args.seeds)]
         runs: dict[str, list] = {e: [None] * args.seeds for e in ("rloo", CONTROL, "grpo", "bpo")}
 
         def train(jobs: list[tuple[str, int, dict]]) -> None:
             """Train ``(estimator, seed, keywords)`` runs on the pool; each lands in ``runs[estimator][seed]``."""
-            futures = {pool.submit(train_one, model_dir, task, "rloo" if e == CONTROL else e, s, args, updates,
+            futures = {pool.submit(train_one, model_dirs[s], task, "rloo" if e == CONTROL else e, s, args, updates,
                                    **kw): (e, s) for e, s, kw in jobs}
             for future in as_completed(futures):
                 estimator, seed = futures[future]
@@ -491,7 +504,7 @@ def main() -> None:
 
         # The control alone decides whether the task qualifies, before any BPO run: RLOO's warm-start gradient
         # noise, then RLOO and RLOO with 2N rollouts on every seed.
-        rloo_grads = pool.submit(gradient_draws, model_dir, task, "rloo", args.grad_draws, 0, tree)
+        rloo_grads = pool.submit(gradient_draws, model_dirs[0], task, "rloo", args.grad_draws, 0, tree)
         train([(e, seed, {"rollout_n": 2 * ROLLOUT_N} if e == CONTROL else {})
                for seed in range(args.seeds) for e in ("rloo", CONTROL)])
         grads = {"rloo": rloo_grads.result()}
@@ -507,7 +520,7 @@ def main() -> None:
             result.update({f"{name}_{k}": v for k, v in qual.items()})
             result[f"{name}_wall_s_per_run"] = {e: [r["wall_s"] for r in runs[e]] for e in ("rloo", CONTROL)}
             continue
-        bpo_grads = pool.submit(gradient_draws, model_dir, task, "bpo", args.grad_draws, args.grad_warmup, tree)
+        bpo_grads = pool.submit(gradient_draws, model_dirs[0], task, "bpo", args.grad_draws, args.grad_warmup, tree)
         if args.match == "grpo":  # the paired baseline trains first: BPO's tree budgets are its tokens
             train([("grpo", seed, {}) for seed in range(args.seeds)])
 
@@ -533,7 +546,7 @@ def main() -> None:
                    "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},
                    "rollout_n": ROLLOUT_N, "batch": {t: args.batch or TASKS[t].batch for t in args.tasks},
                    "max_leaves": args.max_leaves, "bpo_warmup_trees": args.bpo_warmup_trees,
-                   "adam_eps": args.adam_eps, "match": args.match, "control": list(args.tasks),
+                   "adam_eps": args.adam_eps, "match": args.match, "warm_starts": args.warm_starts, "control": list(args.tasks),
                    "qualify_rule": QUALIFY_RULE, "wall_s": round(time.monotonic() - start)})
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out}/learning_*.png and learning.json")

@@ -199,3 +199,36 @@ def test_learning_benchmark_summary_reports_the_double_batch_control_apart_from_
     assert out["final_success_rloo_2n_minus_rloo"] == pytest.approx(0.2)
     assert out["matched_tokens"] == [90 * 4 * batch] * 2  # BPO's, not the control's or the baselines'
     assert learning.CONTROL not in out["success_at_matched_tokens"]
+
+
+@pytest.mark.slow
+def test_each_seed_gets_its_own_warm_start_and_seed_zero_keeps_its_cache(tmp_path):
+    """benchmarks/learning.py's ``--warm-starts per-seed``: seed s is another warm start of the same recipe on the same
+    base model (so a verdict's CI spans warm starts); seed 0 keeps the folder the records before it used."""
+    from verl_bpo.demo.tasks import TASKS, task_model
+
+    task = dataclasses.replace(TASKS["late"], warm_start={"episodes": 8, "max_turns": 3, "steps": 3})
+    zero, one = task_model(tmp_path, task, seed=0), task_model(tmp_path, task, seed=1)
+    assert (zero.name, one.name) == ("tiny_warm_late", "tiny_warm_late_seed1")
+    assert task_model(tmp_path, task) == zero  # the default is warm start 0, rebuilt from its stamp, not retrained
+    weights = [AutoModelForCausalLM.from_pretrained(d).get_output_embeddings().weight.detach() for d in (zero, one)]
+    assert not torch.allclose(*weights)
+    assert AutoTokenizer.from_pretrained(zero).get_vocab() == AutoTokenizer.from_pretrained(one).get_vocab()
+
+
+@pytest.mark.slow
+def test_a_decaying_warm_start_steps_at_a_rate_falling_linearly_to_zero(model_dir, tmp_path, monkeypatch):
+    from verl_bpo.demo.warm_start import warm_start
+
+    rates, step = [], torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        rates.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    tasks = [{"task_id": i} for i in range(2)]
+    warm_start(model_dir, tmp_path / "constant", "smoke", tasks, SMOKE, episodes=4, max_turns=3, steps=4, lr=1e-3)
+    warm_start(model_dir, tmp_path / "decay", "smoke", tasks, SMOKE, episodes=4, max_turns=3, steps=4, lr=1e-3,
+               decay=True)
+    assert rates == pytest.approx([1e-3] * 4 + [1e-3, 0.75e-3, 0.5e-3, 0.25e-3])

@@ -11,12 +11,16 @@
 ``hard_late`` / ``hard_early`` — the same pair made sparse: eight doors (red, blue, green, yellow, white, black,
             orange, purple; the green one right for every task, and the sign says so), a corridor of eight rooms
             (eleven turns) and two tasks per update. The warm start walks well and picks one door in eight, so a
-            fresh policy succeeds about one episode in eight (0.06-0.11 measured), and an update of 2 x 8 rollouts
+            fresh policy succeeds about one episode in eight, and an update of 2 x 8 rollouts
             often sees one success or none. Calibrated with RLOO (2 seeds, lr 1e-3): the target 0.75 at 18-20
             updates; RLOO with 2N rollouts per task at 16-18, about 0.9 of RLOO's updates, so progress here is
             still mostly bound by the step. One task per update (8 rollouts) is noise-bound but unstable: RLOO
             collapsed to zero success on 3 of 3 seeds at lr 1e-3, and at lr 5e-4 it is step-bound again.
             (Drawn per task, so that the sign must be read, eight doors stayed at chance over 20 RLOO updates.)
+            Their warm start decays its learning rate to 0: at a constant rate, six warm starts of the recipe on
+            other draws (``task_model(..., seed=s)``) read 0.00-0.12 held-out on ``hard_late`` (one wrote "open
+            green" without "door", which does not parse; one seldom opened a door); with the decay 0.10-0.20 (256
+            episodes each, 2026-12-06).
 
 Each task has training task ids and disjoint held-out evaluation ids. The tiny model's tokenizer is trained on its
 pair's chats as well (``DemoTask.vocabulary``), so each action word (each door color included) is one token: a
@@ -83,8 +87,8 @@ _HARD_LATE = DemoTask(
     "hard_late", "signpost",
     {"length": 8, "max_steps": 11, "num_tasks": 256, "invalid_penalty": 0.1, "doors": 8, "right_door": "green"},
     train_ids=range(0, 192), eval_ids=range(192, 256), max_turns=11,
-    warm_start={"episodes": 128, "max_turns": 11, "steps": 200, "expert_prob": 0.97}, target=0.75, lr=1e-3,
-    batch=2, updates=24, vocabulary="eight_doors")
+    warm_start={"episodes": 128, "max_turns": 11, "steps": 200, "expert_prob": 0.97, "decay": True}, target=0.75,
+    lr=1e-3, batch=2, updates=24, vocabulary="eight_doors")
 # Derived from ``hard_late``, as ``early`` from ``late``: only where the decision sits differs.
 _HARD_EARLY = dataclasses.replace(_HARD_LATE, name="hard_early",
                                   sandbox_config={**_HARD_LATE.sandbox_config, "decide_at": "start"})
@@ -102,9 +106,13 @@ def _corpus(task: DemoTask) -> list[str]:
     return lines
 
 
-def task_model(out: Path, task: DemoTask) -> Path:
-    """The tiny model warm-started on ``task`` (cached under ``out``): one tokenizer per ``task.vocabulary``."""
+def task_model(out: Path, task: DemoTask, seed: int = 0) -> Path:
+    """The tiny model warm-started on ``task`` (cached under ``out``): one tokenizer per ``task.vocabulary``.
+
+    ``seed`` draws the warm start's demonstrations and batch order (the base model and tokenizer stay the same):
+    each seed is another warm start of the same recipe, so a verdict can be measured across warm starts."""
     folder = "tiny" if task.vocabulary == _LATE.vocabulary else f"tiny_{task.vocabulary}"
     tiny = build_tiny_model(out / folder, corpus=_corpus(task))
-    return warm_start(tiny, out / f"tiny_warm_{task.name}", task.sandbox, task.tasks(task.train_ids),
-                      dict(task.sandbox_config), **task.warm_start)
+    warm = f"tiny_warm_{task.name}" + (f"_seed{seed}" if seed else "")
+    return warm_start(tiny, out / warm, task.sandbox, task.tasks(task.train_ids), dict(task.sandbox_config),
+                      **task.warm_start, seed=seed)

@@ -125,11 +125,14 @@ def _mean_fill_unseen_embeddings(model, seen: set[int]) -> None:
 def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: Sequence[Mapping[str, Any]],
                sandbox_config: Mapping[str, Any] | None = None, episodes: int = 64, max_turns: int = 6,
                steps: int = 150, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,
-               expert_prob: float = 0.0, chats: Sequence[list[dict[str, str]]] | None = None) -> Path:
+               expert_prob: float = 0.0, chats: Sequence[list[dict[str, str]]] | None = None,
+               decay: bool = False) -> Path:
     """Fine-tune ``model_dir`` on random-policy chats into ``out_dir`` (skipped if already done identically);
     ``expert_prob`` mixes in the sandbox's ``best_action()`` (see :func:`random_policy_chats`). ``chats``: train on
     these chats instead (a caller's own demonstrator, e.g. :mod:`verl_bpo.demo.textworld_tasks`); ``episodes``,
-    ``max_turns`` and ``expert_prob`` are then unused."""
+    ``max_turns`` and ``expert_prob`` are then unused. ``decay``: the learning rate falls linearly from ``lr`` to 0
+    over the steps, so the model ends where the average batch leads, not where the last few pushed it (at a constant
+    rate, warm starts of one recipe on other draws ended anywhere from sound to dropping a word of the action)."""
     out = Path(out_dir)
     base_stamp = Path(model_dir) / tiny_model.STAMP  # a rebuilt base model (new tokenizer) redoes the warm start
     settings = {"version": _WARM_START_VERSION,
@@ -137,6 +140,8 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: 
                 "model_dir": str(model_dir), "sandbox": sandbox, "config": dict(sandbox_config or {}),
                 "tasks": [dict(t) for t in tasks], "episodes": episodes, "max_turns": max_turns, "steps": steps,
                 "batch_size": batch_size, "lr": lr, "seed": seed, "expert_prob": expert_prob}
+    if decay:  # only when set, so that the warm starts cached before the option stay valid
+        settings["decay"] = True
     if chats is not None:  # the stamp names the given chats by their digest
         settings["chats_sha256"] = hashlib.sha256(json.dumps(list(chats), sort_keys=True).encode()).hexdigest()
     stamp = out / _STAMP
@@ -153,6 +158,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: 
         chats = random_policy_chats(sandbox, sandbox_config, tasks, episodes, max_turns, seed, expert_prob)
     data = [_tokenize(tokenizer, chat) for chat in chats]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps if decay else 1.0)
     rng = random.Random(seed)
     pad = tokenizer.pad_token_id
     model.train()
@@ -170,6 +176,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, sandbox: str, tasks: 
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        schedule.step()
         if step % 50 == 0 or step == steps - 1:
             logger.info("warm start step %d/%d: loss %.3f", step + 1, steps, loss.item())
     _mean_fill_unseen_embeddings(model, {token for ids, _ in data for token in ids})
