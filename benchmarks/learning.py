@@ -61,7 +61,9 @@ Measured, per task, seed and estimator:
     python benchmarks/learning.py [--tasks ...] [--seeds 6] [--updates N] [--match grpo] [--warm-starts per-seed]
                                    [--out runs/learning]
 
-(``--updates``: default each task's own.) Last line: one JSON object with, per task prefix (``<task>_``):
+(``--updates``: default each task's own.) The control's runs are saved under ``--out`` (``control_<task>.json``);
+``--reuse-control`` takes them into a later run with the same ``--out`` and settings (checked), so a task is
+qualified once (``--control-only``) and its GRPO and BPO runs come after the verdict. Last line: one JSON object with, per task prefix (``<task>_``):
 ``qualified`` (true/false, the rule above), ``snr_rloo``, ``updates_to_target_rloo_2n_over_rloo``,
 ``final_success_rloo_2n_minus_rloo``, ``qualification`` (the rule, the ratio, its CI and the seeds' updates),
 ``updates_to_target_bpo_over_grpo``, ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``,
@@ -447,6 +449,26 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
                                initializer=_worker_threads, initargs=(threads,))
 
 
+def control_settings(args: argparse.Namespace, task: DemoTask, updates: int) -> dict:
+    """What the control's runs depend on: a saved control is reused (``--reuse-control``) only under these."""
+    return {"seeds": args.seeds, "updates": updates, "lr": args.lr or task.lr, "adam_eps": args.adam_eps,
+            "batch": task.batch, "eval_every": args.eval_every, "eval_episodes": args.eval_episodes,
+            "warm_starts": args.warm_starts}
+
+
+def reused_control(path: Path, settings: dict) -> dict:
+    """The control's runs saved at ``path`` by a ``--control-only`` run, if it ran under ``settings``."""
+    if not path.is_file():
+        raise SystemExit(f"--reuse-control: no saved control at {path}; run with --control-only and the same --out "
+                         "first, or drop --reuse-control")
+    saved = json.loads(path.read_text())
+    differ = {k: (saved["settings"].get(k), v) for k, v in settings.items() if saved["settings"].get(k) != v}
+    if differ:
+        raise SystemExit(f"--reuse-control: {path} was trained with other settings (field: saved, now): {differ}; "
+                         "use that run's settings or drop --reuse-control")
+    return {e: saved[e] for e in ("rloo", CONTROL)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=6)
@@ -474,6 +496,9 @@ def main() -> None:
     parser.add_argument("--warm-starts", choices=("per-seed", "one"), default="per-seed",
                         help="per-seed: seed s trains from warm start s, so the CI95 spans warm starts too; "
                              "one: every seed from warm start 0 (the records before 2026-12-06)")
+    parser.add_argument("--reuse-control", action="store_true",
+                        help="take the control's runs from a --control-only run into the same --out with the same "
+                             "settings (its control_<task>.json) instead of training them again")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
     out = args.out.resolve()
@@ -505,8 +530,14 @@ def main() -> None:
         # The control alone decides whether the task qualifies, before any BPO run: RLOO's warm-start gradient
         # noise, then RLOO and RLOO with 2N rollouts on every seed.
         rloo_grads = pool.submit(gradient_draws, model_dirs[0], task, "rloo", args.grad_draws, 0, tree)
-        train([(e, seed, {"rollout_n": 2 * ROLLOUT_N} if e == CONTROL else {})
-               for seed in range(args.seeds) for e in ("rloo", CONTROL)])
+        saved = out / f"control_{name}.json"
+        settings = control_settings(args, task, updates)
+        if args.reuse_control:
+            runs.update(reused_control(saved, settings))
+        else:
+            train([(e, seed, {"rollout_n": 2 * ROLLOUT_N} if e == CONTROL else {})
+                   for seed in range(args.seeds) for e in ("rloo", CONTROL)])
+            saved.write_text(json.dumps({"settings": settings, **{e: runs[e] for e in ("rloo", CONTROL)}}))
         grads = {"rloo": rloo_grads.result()}
         censored = updates + args.eval_every
         qual = qualification([updates_to_target(r, task.target, censored) for r in runs[CONTROL]],

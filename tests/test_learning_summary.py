@@ -223,3 +223,24 @@ def test_trained_tokens_of_a_tree_in_leaf_and_packed_layout():
     assert trained_tokens(cut, 4) == (13, 9)  # the first leaf's response cut at 4 tokens, as the trainer sends it
     flat = TreeResult([leaf(0, (0, 1), [10, 11], ((0, 2),)), leaf(1, (0, 2), [10, 11], ((0, 2),))], {})
     assert trained_tokens(flat, 384) == (10, 8)  # a flat group shares only its prompt (plus a bridge)
+
+
+def test_a_saved_control_is_reused_only_under_the_settings_it_was_trained_with(tmp_path):
+    """``--reuse-control``: the control's runs come back as saved; another learning rate, seed count or warm-start
+    mode is refused with the field named, and so is a missing file."""
+    import argparse
+    import json
+
+    args = argparse.Namespace(seeds=2, lr=None, adam_eps=1e-8, eval_every=EVAL_EVERY, eval_episodes=2,
+                              warm_starts="per-seed")
+    task = learning.TASKS["hard_late"]
+    settings = learning.control_settings(args, task, UPDATES)
+    saved = {"rloo": [run(SLOW), run(NEVER)], learning.CONTROL: [run(FAST), run(FAST)]}
+    path = tmp_path / "control_hard_late.json"
+    path.write_text(json.dumps({"settings": settings, **saved}))
+    assert learning.reused_control(path, settings) == json.loads(json.dumps(saved))
+    other = learning.control_settings(argparse.Namespace(**{**vars(args), "lr": 3e-4}), task, UPDATES)
+    with pytest.raises(SystemExit, match="'lr'"):
+        learning.reused_control(path, other)
+    with pytest.raises(SystemExit, match="no saved control"):
+        learning.reused_control(tmp_path / "control_hard_early.json", settings)
