@@ -15,8 +15,8 @@ on a CPU box). Each seed has its own warm start (``--warm-starts per-seed``, the
 ``task_model(..., seed=s)``, the same recipe on other demonstrations), so the paired bootstrap over seeds spans warm
 starts as well as training draws: with one warm start for every seed (``--warm-starts one``, the records before
 2026-12-06) the qualification verdict moved from one box to another, because each box's floating point trains
-another warm start. Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per task
-with ``bpo.allocation=learned`` and ``bpo.learned.budget_unit=tokens``, up to ``--max-leaves`` leaves. Its tree's
+another warm start. Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per
+task with ``bpo.allocation=learned`` and ``bpo.learned.budget_unit=tokens``, up to ``--max-leaves`` leaves. Its tree's
 token budget is, by default (``--match grpo``), exactly the tokens GRPO's group generated on the same task at the same
 update of the same seed (GRPO trains first), so BPO and GRPO are matched in generated tokens per update throughout
 training, not only at the warm start; ``--match rloo`` pairs with RLOO instead, and ``--match own`` gives each tree
@@ -31,8 +31,8 @@ half RLOO's gradient variance per update, at twice its tokens). The task is *qua
 target in at most ``QUALIFY_MAX_RATIO`` = 0.75× RLOO's updates **and** the upper end of that ratio's CI95 is below
 1.0 (:func:`qualification`: the ratio of the seeds' mean updates to target, paired bootstrap over seeds, a censored
 seed counted as updates + ``--eval-every``). Near 1, progress per update is bounded by the optimizer's step, not by
-gradient noise, and no estimator with less variance could take fewer updates. RLOO's batch signal-to-noise at seed 0's
-warm start (``‖E ĝ‖² / tr Cov ĝ``) is reported beside it. The verdict is printed before GRPO and BPO train; the
+gradient noise, and no estimator with less variance could take fewer updates. RLOO's batch signal-to-noise at seed
+0's warm start (``‖E ĝ‖² / tr Cov ĝ``) is reported beside it. The verdict is printed before GRPO and BPO train; the
 targets apply only to qualified tasks, and tasks that fail the rule are reported too.
 
 Measured, per task, seed and estimator:
@@ -63,9 +63,10 @@ Measured, per task, seed and estimator:
 
 (``--updates``: default each task's own.) The control's runs are saved under ``--out`` (``control_<task>.json``);
 ``--reuse-control`` takes them into a later run with the same ``--out`` and settings (checked), so a task is
-qualified once (``--control-only``) and its GRPO and BPO runs come after the verdict. Last line: one JSON object with, per task prefix (``<task>_``):
-``qualified`` (true/false, the rule above), ``snr_rloo``, ``updates_to_target_rloo_2n_over_rloo``,
-``final_success_rloo_2n_minus_rloo``, ``qualification`` (the rule, the ratio, its CI and the seeds' updates),
+qualified once (``--control-only``) and its GRPO and BPO runs come after the verdict. Last line: one JSON object
+with, per task prefix (``<task>_``): ``qualified`` (true/false, the rule above), ``snr_rloo``,
+``updates_to_target_rloo_2n_over_rloo``, ``final_success_rloo_2n_minus_rloo``, ``qualification`` (the rule, the
+ratio, its CI and the seeds' updates),
 ``updates_to_target_bpo_over_grpo``, ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``,
 ``final_success_bpo_minus_rloo``, ``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``),
 ``grad_var_bpo_over_rloo``, their ``ci95``, ``per_update`` costs and pre-clip gradient norm per estimator,
@@ -577,7 +578,8 @@ def main() -> None:
                    "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},
                    "rollout_n": ROLLOUT_N, "batch": {t: args.batch or TASKS[t].batch for t in args.tasks},
                    "max_leaves": args.max_leaves, "bpo_warmup_trees": args.bpo_warmup_trees,
-                   "adam_eps": args.adam_eps, "match": args.match, "warm_starts": args.warm_starts, "control": list(args.tasks),
+                   "adam_eps": args.adam_eps, "match": args.match, "warm_starts": args.warm_starts,
+                   "control": list(args.tasks),
                    "qualify_rule": QUALIFY_RULE, "wall_s": round(time.monotonic() - start)})
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out}/learning_*.png and learning.json")
