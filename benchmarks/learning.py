@@ -1,12 +1,14 @@
 """The paper's learning claims, measured: BPO vs GRPO vs RLOO trained at matched generated tokens per update.
 
-Embedded tasks (``verl_bpo.demo.tasks.TASKS``). The reference pair, ``late`` — the signpost corridor, where routine
-moves come first and the one decisive choice last — and ``early`` — the same corridor with the choice first, so the
-first move decides and the walk after it only reveals the outcome — is step-bound at its learning rate (RLOO with
-twice the rollouts takes exactly RLOO's updates), so it cannot test a variance claim; it stays as the reference
-(``--tasks late early``). The default run covers every other task in ``TASKS`` (their late- and early-decision
-forms, ``*late`` and ``*early``), or all tasks when there are no others. Each task sets its batch (tasks per
-update) and its updates per run.
+Tasks: the embedded ones (``verl_bpo.demo.tasks.TASKS``) and the real-engine pair ``real_late`` / ``real_early``
+(``verl_bpo.demo.textworld_tasks``: generated TextWorld games on the real engine, made under ``--out`` on first use).
+The reference pair, ``late`` — the signpost corridor, where routine moves come first and the one decisive choice
+last — and ``early`` — the same corridor with the choice first, so the first move decides and the walk after it only
+reveals the outcome — is step-bound at its learning rate (RLOO with twice the rollouts takes exactly RLOO's
+updates), so it cannot test a variance claim; it stays as the reference (``--tasks late early``). The real-engine
+pair is opt-in (``--tasks real_late real_early``) until a warm start of its recipe reliably plays held-out games
+(one of four did, 2026-12-06). The default run covers the other tasks, ``hard_late`` and ``hard_early``. Each task
+sets its batch (tasks per update), its updates per run and its trained response length.
 
 For each task and seed, every estimator trains from the same warm start on the same task order with
 :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator registry and policy loss with the
@@ -95,6 +97,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from verl_bpo.demo.tasks import TASKS, DemoTask, task_model
+from verl_bpo.demo.textworld_tasks import TEXTWORLD_TASKS, textworld_task_model, with_games
 
 if TYPE_CHECKING:  # torch loads only when a run trains (the summary and its tests need no model)
     from verl_bpo.local.trainer import LocalRL
@@ -103,7 +106,10 @@ ESTIMATORS = ("bpo", "grpo", "rloo")
 BASELINES = ("grpo", "rloo")
 CONTROL = "rloo_2n"  # RLOO with 2N rollouts per task: half RLOO's variance per update, twice its tokens
 REFERENCE_TASKS = ("late", "early")  # step-bound at their learning rate: the reference, not the default run
-ROLLOUT_N, RESPONSE_LENGTH, MAX_TOKENS_PER_TURN = 8, 384, 6
+BENCHMARK_TASKS = {**TASKS, **TEXTWORLD_TASKS}  # the embedded tasks and the real-engine pair
+# Not in the default run until a warm start of theirs reliably plays held-out games (textworld_tasks' docstring).
+OPT_IN_TASKS = tuple(TEXTWORLD_TASKS)
+ROLLOUT_N, MAX_TOKENS_PER_TURN = 8, 6
 ADAM_EPS = 1e-5  # torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)
 MAX_LEAVES, BPO_WARMUP_TREES = 32, 8  # the defaults of --max-leaves and --bpo-warmup-trees
 QUALIFY_MAX_RATIO = 0.75  # RLOO-2N's updates to target over RLOO's at most this (and its CI95 below 1) to qualify
@@ -123,8 +129,20 @@ TRAINED_TOKENS_LAYOUT = ("trained_tokens_leaf: one row per leaf (prompt + respon
 
 
 def default_tasks() -> list[str]:
-    """Every task but the step-bound reference pair, or all tasks when there are no others."""
-    return [name for name in TASKS if name not in REFERENCE_TASKS] or list(TASKS)
+    """Every task but the step-bound reference pair and the opt-in real-engine pair."""
+    return [name for name in BENCHMARK_TASKS if name not in (*REFERENCE_TASKS, *OPT_IN_TASKS)]
+
+
+def runnable(task: DemoTask, out: Path, batch: int | None = None) -> DemoTask:
+    """``task`` as the benchmark trains it under ``out``: ``batch`` tasks per update (default: the task's), and a
+    real-engine task naming its games (generated under ``out``)."""
+    task = dataclasses.replace(task, batch=batch or task.batch)
+    return with_games(task, out) if task.name in TEXTWORLD_TASKS else task
+
+
+def warm_start_model(out: Path, task: DemoTask, seed: int = 0) -> Path:
+    """Warm start ``seed`` of ``task`` under ``out`` (a real-engine task generates its games first)."""
+    return (textworld_task_model if task.name in TEXTWORLD_TASKS else task_model)(out, task, seed)
 
 
 def task_form(name: str) -> str | None:
@@ -179,7 +197,7 @@ def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: di
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LocalRLConfig(estimator=estimator, rollout_n=rollout_n, batch_size=task.batch, lr=lr or task.lr,
-                           adam_eps=adam_eps, response_length=RESPONSE_LENGTH,
+                           adam_eps=adam_eps, response_length=task.response_length,
                            bpo={**bpo_block(task, estimator, tree), **(bpo or {})})
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
@@ -492,8 +510,9 @@ def main() -> None:
                         help="calibration: train the control (RLOO, RLOO-2N) and print the verdict, no GRPO/BPO run")
     parser.add_argument("--match", choices=(*BASELINES, "own"), default="grpo",
                         help="whose generated tokens per task and update BPO's tree budget is (module docstring)")
-    parser.add_argument("--tasks", nargs="+", default=default_tasks(), choices=list(TASKS),
-                        help=f"default: every task but the step-bound reference {' '.join(REFERENCE_TASKS)}")
+    parser.add_argument("--tasks", nargs="+", default=default_tasks(), choices=list(BENCHMARK_TASKS),
+                        help=f"default: every task but the step-bound reference {' '.join(REFERENCE_TASKS)} and the "
+                             f"opt-in {' '.join(OPT_IN_TASKS)}")
     parser.add_argument("--warm-starts", choices=("per-seed", "one"), default="per-seed",
                         help="per-seed: seed s trains from warm start s, so the CI95 spans warm starts too; "
                              "one: every seed from warm start 0 (the records before 2026-12-06)")
@@ -509,13 +528,13 @@ def main() -> None:
     result: dict = {}
     pool = worker_pool(args.workers)
     for name in args.tasks:
-        task = dataclasses.replace(TASKS[name], batch=args.batch or TASKS[name].batch)
+        task = runnable(BENCHMARK_TASKS[name], out, args.batch)
         updates = args.updates or task.updates
         # Each seed's warm start, shared by its estimators so that the pairing holds. Warm start 0 first (it builds
         # the base model and tokenizer the others start from), the others on the pool.
-        warm = {0: task_model(out, task)}
+        warm = {0: warm_start_model(out, task)}
         more = list(range(1, args.seeds)) if args.warm_starts == "per-seed" else []
-        warm.update(zip(more, pool.map(task_model, [out] * len(more), [task] * len(more), more)))
+        warm.update(zip(more, pool.map(warm_start_model, [out] * len(more), [task] * len(more), more)))
         model_dirs = [warm.get(seed, warm[0]) for seed in range(args.seeds)]
         runs: dict[str, list] = {e: [None] * args.seeds for e in ("rloo", CONTROL, "grpo", "bpo")}
 
@@ -574,9 +593,9 @@ def main() -> None:
     result.update({"tasks": args.tasks, "workers": args.workers,
                    "reference_tasks": [t for t in args.tasks if t in REFERENCE_TASKS],
                    "qualified": {t: result[f"{t}_qualified"] for t in args.tasks}, "control_only": args.control_only,
-                   "seeds": args.seeds, "updates": {t: args.updates or TASKS[t].updates for t in args.tasks},
-                   "lr": {t: args.lr or TASKS[t].lr for t in args.tasks},
-                   "rollout_n": ROLLOUT_N, "batch": {t: args.batch or TASKS[t].batch for t in args.tasks},
+                   "seeds": args.seeds, "updates": {t: args.updates or BENCHMARK_TASKS[t].updates for t in args.tasks},
+                   "lr": {t: args.lr or BENCHMARK_TASKS[t].lr for t in args.tasks},
+                   "rollout_n": ROLLOUT_N, "batch": {t: args.batch or BENCHMARK_TASKS[t].batch for t in args.tasks},
                    "max_leaves": args.max_leaves, "bpo_warmup_trees": args.bpo_warmup_trees,
                    "adam_eps": args.adam_eps, "match": args.match, "warm_starts": args.warm_starts,
                    "control": list(args.tasks),

@@ -1,9 +1,9 @@
 """``TextWorldSandbox``: the real TextWorld 1.7.0 engine (Inform7 games run by Jericho), with an in-place snapshot.
 
-Games are ``.z8`` files made by ``tw-make`` (``make_games`` builds them with fixed seeds into a cache directory;
-the same seed gives a byte-identical story file). ``textworld.start`` plays a game through the wrapper stack
-TWInform7 -> StateTracking -> Inform7Data -> GameData -> JerichoEnv. Everything that decides future observations
-and rewards lives in two places:
+Games are ``.z8`` files made by ``tw-make`` (``make_games`` builds them, for the ``custom`` and ``tw-coin_collector``
+challenges, with fixed seeds into a cache directory; the same seed gives a byte-identical story file).
+``textworld.start`` plays a game through the wrapper stack TWInform7 -> StateTracking -> Inform7Data -> GameData ->
+JerichoEnv. Everything that decides future observations and rewards lives in two places:
 
 * the Z-machine inside Jericho (RAM, stack, program counter, RNG): ``FrotzEnv.get_state()/set_state()``, ~40 KB,
   tens of microseconds;
@@ -65,7 +65,7 @@ from sandbox_adapters.base import (
     parse_text_command,
 )
 
-__all__ = ["TextWorldSandbox", "make_games", "game_walkthrough"]
+__all__ = ["TextWorldSandbox", "CHALLENGES", "make_games", "game_walkthrough"]
 
 # Inform7 prints a prompt and a status bar ("> ... -= Room =-0/3") after every turn; they only add noise.
 _PROMPT_TAIL = re.compile(r"\n>[^\n]*\s*$")
@@ -116,33 +116,49 @@ def _give_vm(vm: Any, story: str, limit: int) -> None:
     vm.close()  # over the limit: the machine is freed when it is collected
 
 
+# The ``tw-make`` challenges ``make_games`` builds: file-name prefix and default settings (each a CLI flag).
+CHALLENGES: dict[str, tuple[str, dict[str, int]]] = {
+    # one quest of ``quest_length`` steps among ``nb_objects`` objects in ``world_size`` rooms
+    "custom": ("tw", {"world_size": 3, "nb_objects": 6, "quest_length": 4}),
+    # a chain of rooms to walk (the room's exits are listed) and a coin to take at its end; ``level`` 1-100 is the
+    # chain's length with no dead ends, 101-200 and 201-300 add dead-end rooms
+    "tw-coin_collector": ("cc", {"level": 5}),
+}
+
+
 def make_games(
     out_dir: str | os.PathLike,
     seeds: Iterable[int],
     *,
-    world_size: int = 3,
-    nb_objects: int = 6,
-    quest_length: int = 4,
+    challenge: str = "custom",
     workers: int = 2,
+    **settings: int,
 ) -> list[Path]:
-    """Generate ``tw-make custom`` games with fixed seeds into ``out_dir`` and return their ``.z8`` paths.
+    """Generate ``tw-make <challenge>`` games with fixed seeds into ``out_dir`` and return their ``.z8`` paths.
 
-    A game is named after its parameters and seed and is only generated when missing, so ``out_dir`` works as a
-    cache. Each game takes about 5 s; ``workers`` games are compiled in parallel.
+    ``settings`` override the challenge's defaults (:data:`CHALLENGES`). A game is named after its challenge,
+    settings and seed and is only generated when missing, so ``out_dir`` works as a cache. Each game takes about
+    2-5 s; ``workers`` games are compiled in parallel.
     """
+    if challenge not in CHALLENGES:
+        raise ValueError(f"challenge must be one of {sorted(CHALLENGES)}, got {challenge!r}")
+    prefix, defaults = CHALLENGES[challenge]
+    unknown = set(settings) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown {challenge} settings {sorted(unknown)}; known: {sorted(defaults)}")
+    settings = {**defaults, **settings}
+    stem = "_".join([prefix, *(f"{key[0]}{value}" for key, value in settings.items())])
+    flags = [arg for key, value in settings.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tw_make = Path(sys.executable).with_name("tw-make")
     command = [str(tw_make)] if tw_make.exists() else [shutil.which("tw-make") or "tw-make"]
 
     def build(seed: int) -> Path:
-        path = out / f"tw_w{world_size}_o{nb_objects}_q{quest_length}_s{seed}.z8"
+        path = out / f"{stem}_s{seed}.z8"
         if path.exists() and path.with_suffix(".json").exists():
             return path
-        args = [
-            *command, "custom", "--world-size", str(world_size), "--nb-objects", str(nb_objects),
-            "--quest-length", str(quest_length), "--seed", str(seed), "--output", str(path), "-f", "--silent",
-        ]  # fmt: skip
+        args = [*command, challenge, *flags, "--seed", str(seed), "--output", str(path), "-f", "--silent"]
         # A fixed hash seed keeps the .json byte-stable too (it orders a set inside the grammar section).
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)

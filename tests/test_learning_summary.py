@@ -195,10 +195,8 @@ def test_a_task_already_at_the_target_does_not_qualify():
 
 
 def test_default_tasks_leave_out_the_step_bound_reference():
-    from verl_bpo.demo.tasks import TASKS
-
-    others = [t for t in TASKS if t not in learning.REFERENCE_TASKS]
-    assert learning.default_tasks() == (others or list(TASKS))
+    assert learning.default_tasks() == ["hard_late", "hard_early"]  # the real-engine pair is opt-in for now
+    assert {"real_late", "real_early"} <= set(learning.BENCHMARK_TASKS)
     assert [learning.task_form(t) for t in ("late", "hard_late", "real_late", "early", "hard_early", "x")] == [
         "late", "late", "late", "early", "early", None]
 
@@ -244,3 +242,13 @@ def test_a_saved_control_is_reused_only_under_the_settings_it_was_trained_with(t
         learning.reused_control(path, other)
     with pytest.raises(SystemExit, match="no saved control"):
         learning.reused_control(tmp_path / "control_hard_early.json", settings)
+
+
+def test_a_real_engine_task_trains_on_the_games_under_its_output_directory(tmp_path):
+    """The real-engine pair names its games (made under ``--out``) and trains its longer episodes; an embedded task
+    is only given the batch."""
+    real = learning.runnable(learning.BENCHMARK_TASKS["real_late"], tmp_path, batch=3)
+    assert real.batch == 3 and real.sandbox_config["games_dir"].startswith(str(tmp_path.resolve()))
+    assert real.response_length > learning.BENCHMARK_TASKS["hard_late"].response_length
+    hard = learning.runnable(learning.BENCHMARK_TASKS["hard_late"], tmp_path)
+    assert hard == learning.TASKS["hard_late"] and "games_dir" not in hard.sandbox_config

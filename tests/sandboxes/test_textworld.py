@@ -266,3 +266,11 @@ def test_closed_sandboxes_recycle_their_z_machine_unless_a_call_still_runs(tw_ga
         assert vm not in tw_adapter._IDLE_VMS[game]
         release.set()
         worker.join(10)
+
+
+def test_make_games_names_an_unknown_challenge_or_setting(tmp_path):
+    with pytest.raises(ValueError, match="challenge must be one of"):
+        make_games(tmp_path, [0], challenge="tw-cooking")
+    with pytest.raises(ValueError, match=r"unknown tw-coin_collector settings \['quest_length'\]"):
+        make_games(tmp_path, [0], challenge="tw-coin_collector", quest_length=4)
+    assert not list(tmp_path.iterdir())  # nothing is generated before the settings are checked

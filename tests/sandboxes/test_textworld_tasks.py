@@ -11,7 +11,7 @@ pytest.importorskip("textworld", reason="textworld is not installed (pip install
 pytest.importorskip("jericho", reason="jericho is not installed (pip install -e .[envs])")
 
 from sandbox_adapters.registry import make_sandbox  # noqa: E402
-from sandbox_adapters.textworld import TextWorldSandbox, game_walkthrough, make_games  # noqa: E402
+from sandbox_adapters.textworld import CHALLENGES, TextWorldSandbox, game_walkthrough, make_games  # noqa: E402
 from verl_bpo.demo import textworld_tasks as tw  # noqa: E402
 
 pytestmark = pytest.mark.envs
@@ -28,7 +28,7 @@ def test_tasks_differ_only_in_where_the_decision_sits():
     assert dataclasses.replace(early, name=late.name, warm_start=late.warm_start) == late
     assert (late.warm_start["decisive"], early.warm_start["decisive"]) == ("last", "first")
     assert set(late.train_ids).isdisjoint(late.eval_ids) and late.max_turns == late.sandbox_config["max_steps"] >= 8
-    assert tw.GAME_SETTINGS["quest_length"] >= 3
+    assert tw.QUEST_LENGTH >= 3 and tw.CHALLENGE in CHALLENGES
 
 
 @pytest.mark.parametrize(("decisive", "index"), [("last", len(WALKTHROUGH) - 1), ("first", 0)])
@@ -38,7 +38,7 @@ def test_demonstrator_follows_the_walkthrough_except_at_the_decisive_step(decisi
     for seed in range(64):
         rng = random.Random(seed)
         for turn in range(len(WALKTHROUGH)):
-            picks[turn].add(tw.demonstrator_action(turn, WALKTHROUGH, ADMISSIBLE, rng, index, noise=0.0))
+            picks[turn].add(tw.demonstrator_action(turn, turn, WALKTHROUGH, ADMISSIBLE, rng, index, noise=0.0))
     for turn, actions in picks.items():
         if turn == index:  # uniform among the admissible commands: many different ones over 64 draws
             assert actions <= set(ADMISSIBLE) and len(actions) >= 6
@@ -48,10 +48,12 @@ def test_demonstrator_follows_the_walkthrough_except_at_the_decisive_step(decisi
 
 def test_demonstrator_noise_and_a_walkthrough_command_no_longer_admissible():
     rng = random.Random(0)
-    noisy = [tw.demonstrator_action(1, WALKTHROUGH, ADMISSIBLE, rng, 7, noise=0.5) for _ in range(200)]
+    noisy = [tw.demonstrator_action(1, 1, WALKTHROUGH, ADMISSIBLE, rng, 7, noise=0.5) for _ in range(200)]
     assert 0.3 < sum(a != WALKTHROUGH[1] for a in noisy) / 200 < 0.7
     # after a deviation the walkthrough's command may not be admissible: a random admissible one instead
-    assert tw.demonstrator_action(1, WALKTHROUGH, ["look", "go south"], rng, 7, noise=0.0) in {"look", "go south"}
+    assert tw.demonstrator_action(1, 1, WALKTHROUGH, ["look", "go south"], rng, 7, noise=0.0) in {"look", "go south"}
+    # a wrong guess that did not move ("look" at the decisive first turn): the walkthrough's first command next
+    assert tw.demonstrator_action(1, 0, WALKTHROUGH, ADMISSIBLE, rng, 0, noise=0.0) == WALKTHROUGH[0]
     with pytest.raises(ValueError):
         tw.decisive_step(8, "middle")
 
@@ -83,10 +85,11 @@ def monkeypatch_module():
 def test_game_generation_is_deterministic_and_cached(built, tmp_path, monkeypatch):
     out, games = built
     chosen = sorted(games.glob("*.z8"))
-    assert len(chosen) == 2 and all(len(game_walkthrough(g)) == tw.GAME_SETTINGS["quest_length"] for g in chosen)
+    assert len(chosen) == 2 and all(len(game_walkthrough(g)) == tw.QUEST_LENGTH for g in chosen)
     assert games == tw.games_dir(out)
     # the same seed in another directory gives byte-identical files
-    again = make_games(tmp_path, [int(chosen[0].stem.rsplit("_s", 1)[1])], **tw.GAME_SETTINGS)[0]
+    again = make_games(tmp_path, [int(chosen[0].stem.rsplit("_s", 1)[1])], challenge=tw.CHALLENGE,
+                       **tw.GAME_SETTINGS)[0]
     assert again.read_bytes() == chosen[0].read_bytes()
     assert again.with_suffix(".json").read_bytes() == chosen[0].with_suffix(".json").read_bytes()
 
@@ -144,3 +147,5 @@ def test_demonstration_chats_follow_the_walkthrough(built):
                 assert actions[:index] == walkthrough[:index]
             elif actions[0] == walkthrough[0]:  # after the guess, the walkthrough wherever it is still admissible
                 assert actions == walkthrough
+            else:  # a wrong guess in the first room does not move (its one exit is the walkthrough's first command)
+                assert actions[1:] == walkthrough[: len(actions) - 1]

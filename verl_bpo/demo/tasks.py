@@ -56,6 +56,8 @@ class DemoTask:
         updates: policy updates per run in the learning benchmark.
         vocabulary: the tasks whose chats train one tokenizer (and so one tiny model): a pair shares one, so its two
             forms differ only in where the decision sits, and a new pair leaves the others' models as they were.
+        response_length: verl's ``rollout.response_length`` in the learning benchmark: an episode's tokens after its
+            prompt (actions and observations) that are trained. Default 384, enough for the corridors' episodes.
     """
 
     name: str
@@ -70,6 +72,7 @@ class DemoTask:
     batch: int = 4
     updates: int = 16
     vocabulary: str = "corridor"
+    response_length: int = 384
 
     def tasks(self, ids: range) -> list[dict[str, int]]:
         return [{"task_id": i} for i in ids]
