@@ -37,7 +37,7 @@ from typing import Any
 from verl_bpo.demo.tiny_model import build_tiny_model, default_corpus
 from verl_bpo.demo.warm_start import random_policy_chats, warm_start
 
-__all__ = ["DemoTask", "TASKS", "task_model"]
+__all__ = ["DemoTask", "TASKS", "task_model", "warm_start_folder"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +109,12 @@ def _corpus(task: DemoTask) -> list[str]:
     return lines
 
 
+def warm_start_folder(task: DemoTask, seed: int = 0) -> str:
+    """The folder of ``task``'s warm start ``seed`` under the output directory (seed 0 keeps the name it had before
+    warm starts were drawn per seed, so its cache stays valid)."""
+    return f"tiny_warm_{task.name}" + (f"_seed{seed}" if seed else "")
+
+
 def task_model(out: Path, task: DemoTask, seed: int = 0) -> Path:
     """The tiny model warm-started on ``task`` (cached under ``out``): one tokenizer per ``task.vocabulary``.
 
@@ -116,6 +122,5 @@ def task_model(out: Path, task: DemoTask, seed: int = 0) -> Path:
     each seed is another warm start of the same recipe, so a verdict can be measured across warm starts."""
     folder = "tiny" if task.vocabulary == _LATE.vocabulary else f"tiny_{task.vocabulary}"
     tiny = build_tiny_model(out / folder, corpus=_corpus(task))
-    warm = f"tiny_warm_{task.name}" + (f"_seed{seed}" if seed else "")
-    return warm_start(tiny, out / warm, task.sandbox, task.tasks(task.train_ids), dict(task.sandbox_config),
-                      **task.warm_start, seed=seed)
+    return warm_start(tiny, out / warm_start_folder(task, seed), task.sandbox, task.tasks(task.train_ids),
+                      dict(task.sandbox_config), **task.warm_start, seed=seed)

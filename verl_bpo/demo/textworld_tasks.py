@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_adapters.textworld import TextWorldSandbox, game_walkthrough, make_games
-from verl_bpo.demo.tasks import DemoTask
+from verl_bpo.demo.tasks import DemoTask, warm_start_folder
 from verl_bpo.demo.tiny_model import build_tiny_model, default_corpus
 from verl_bpo.demo.warm_start import play_chats, random_policy_chats, warm_start
 
@@ -70,7 +70,7 @@ __all__ = ["CHALLENGE", "GAME_SETTINGS", "QUEST_LENGTH", "N_TRAIN", "N_EVAL", "N
 
 CHALLENGE = "tw-coin_collector"
 GAME_SETTINGS = {"level": 8}  # a chain of 8 rooms, no dead ends: 7 moves and "take coin"
-QUEST_LENGTH = 8  # the walkthrough's commands at this level
+QUEST_LENGTH = GAME_SETTINGS["level"]  # the walkthrough's commands: at levels 1-100, the chain's length
 N_TRAIN, N_EVAL = 64, 32  # training and held-out games; task ids index the games in sorted file order
 N_GAMES = N_TRAIN + N_EVAL
 MAX_STEPS = QUEST_LENGTH  # the turns of an episode: no slack, so one wrong command costs the game
@@ -236,11 +236,10 @@ def textworld_task_model(out: str | Path, task: DemoTask, seed: int = 0) -> Path
     ``seed`` draws the demonstrations and the batch order, as for :func:`verl_bpo.demo.tasks.task_model`."""
     out = Path(out)
     build_games(out)
-    tiny = build_tiny_model(out / "tiny_textworld", corpus=_corpus(out), vocab_size=VOCAB_SIZE)
+    tiny = build_tiny_model(out / f"tiny_{task.vocabulary}", corpus=_corpus(out), vocab_size=VOCAB_SIZE)
     task = with_games(task, out)
     settings: Mapping[str, Any] = task.warm_start
-    warm = f"tiny_warm_{task.name}" + (f"_seed{seed}" if seed else "")
-    return warm_start(tiny, out / warm, task.sandbox, task.tasks(task.train_ids), dict(task.sandbox_config),
-                      steps=settings["steps"], batch_size=settings["batch_size"], lr=settings["lr"],
-                      chats=demonstration_chats(task, seed=seed), max_turns=task.max_turns,
+    return warm_start(tiny, out / warm_start_folder(task, seed), task.sandbox, task.tasks(task.train_ids),
+                      dict(task.sandbox_config), steps=settings["steps"], batch_size=settings["batch_size"],
+                      lr=settings["lr"], chats=demonstration_chats(task, seed=seed), max_turns=task.max_turns,
                       episodes=settings["episodes"], decay=settings.get("decay", False), seed=seed)
