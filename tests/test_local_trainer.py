@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verl_bpo.local.hf_client import BatchedHFClient
+from verl_bpo.local.hf_client import BatchedHFClient, Generation
 from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 from verl_bpo.demo.tiny_model import build_tiny_model
 
@@ -54,6 +55,41 @@ def test_concurrent_requests_become_one_batched_generate_with_teacher_forced_log
             logp = torch.log_softmax(trainer.model(ids).logits[0, :-1].float(), -1)
         expected = logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
         np.testing.assert_allclose(out.log_probs, expected.numpy(), atol=2e-4)
+
+
+def test_the_event_loop_runs_while_a_wave_generates():
+    """Sandbox calls and their time limits live on the event loop: a long ``generate`` must not hold it (a wave
+    longer than ``bpo.step_timeout_s`` fired the limits of engine calls that had already returned)."""
+    client = BatchedHFClient.__new__(BatchedHFClient)
+    client.max_batch, client.gather_s, client._pending, client._flusher = 4, 0.0, [], None
+
+    def slow_generate(batch):
+        time.sleep(0.5)
+        return [Generation([1], [0.0]) for _ in batch]
+
+    client._generate_batch = slow_generate
+    ticks = []
+
+    async def heartbeat():
+        while True:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.01)
+
+    async def main():
+        beat = asyncio.ensure_future(heartbeat())
+        out = await client.generate("r", prompt_ids=[1, 2], sampling_params={"max_tokens": 1})
+        beat.cancel()
+        return out
+
+    assert asyncio.run(main()).token_ids == [1]
+    assert len(ticks) >= 20 and max(np.diff(ticks)) < 0.25  # on the loop: one gap of 0.5 s, two ticks
+
+    def broken_generate(batch):
+        raise RuntimeError("out of memory")
+
+    client._generate_batch = broken_generate
+    with pytest.raises(RuntimeError, match="out of memory"):  # the caller gets the error instead of hanging
+        asyncio.run(main())
 
 
 @pytest.mark.slow

@@ -7,6 +7,10 @@ trains many seeds in one process). The tree sampler and the estimators are the s
 
 :class:`BatchedHFClient` gathers the generate calls that arrive together — one sampler wave, across every tree in
 flight — into one left-padded ``model.generate``, so a batch of trees costs a few batched forward passes per turn.
+The ``generate`` runs on a thread, not on the event loop: the loop keeps serving the sandbox calls and their time
+limits meanwhile. On the loop, a wave that generated for longer than ``bpo.step_timeout_s`` (an evaluation of 128
+TextWorld episodes on a busy 2-core box) fired the limits of engine calls that had returned in milliseconds, and the
+failed leaves read as lost episodes.
 """
 
 from __future__ import annotations
@@ -65,20 +69,30 @@ class BatchedHFClient:
         return await future
 
     async def _flush(self) -> None:
-        seen = -1
-        while seen != len(self._pending):  # wait until the wave stops growing
-            seen = len(self._pending)
-            await asyncio.sleep(self.gather_s)
-        while self._pending:
-            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+        while self._pending:  # requests that arrive while a wave generates make the next wave
+            seen = -1
+            while seen != len(self._pending):  # wait until the wave stops growing
+                seen = len(self._pending)
+                await asyncio.sleep(self.gather_s)
+            wave, self._pending = self._pending, []
+            for batch, outcome in await asyncio.to_thread(self._generate_wave, wave):
+                for row, request in enumerate(batch):
+                    if isinstance(outcome, Exception):  # hand the error to every waiting caller rather than hang them
+                        request.future.set_exception(outcome)
+                    else:
+                        request.future.set_result(outcome[row])
+
+    def _generate_wave(self, wave: list[_Request]) -> list[tuple[list[_Request], list[Generation] | Exception]]:
+        """Each batch of ``wave`` (``max_batch`` requests at most) with its generations or the error it raised. The
+        whole wave generates before any caller resumes, so the batches do not depend on thread timing."""
+        outcomes: list[tuple[list[_Request], list[Generation] | Exception]] = []
+        for start in range(0, len(wave), self.max_batch):
+            batch = wave[start: start + self.max_batch]
             try:
-                results = self._generate_batch(batch)
-            except Exception as exc:  # hand the error to every waiting caller rather than hang them
-                for request in batch:
-                    request.future.set_exception(exc)
-                continue
-            for request, result in zip(batch, results):
-                request.future.set_result(result)
+                outcomes.append((batch, self._generate_batch(batch)))
+            except Exception as exc:
+                outcomes.append((batch, exc))
+        return outcomes
 
     def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
         import torch
