@@ -6,9 +6,10 @@ The reference pair, ``late`` — the signpost corridor, where routine moves come
 last — and ``early`` — the same corridor with the choice first, so the first move decides and the walk after it only
 reveals the outcome — is step-bound at its learning rate (RLOO with twice the rollouts takes exactly RLOO's
 updates), so it cannot test a variance claim; it stays as the reference (``--tasks late early``). The real-engine
-pair is opt-in (``--tasks real_late real_early``) until a warm start of its recipe reliably plays held-out games
-(one of four did, 2026-12-06). The default run covers the other tasks, ``hard_late`` and ``hard_early``. Each task
-sets its batch (tasks per update), its updates per run and its trained response length.
+pair is opt-in (``--tasks real_late real_early``) until its control has run (its warm starts know the training games'
+routes and do not carry to unseen ones, so it evaluates on its training games). The default run covers the other
+tasks, ``hard_late`` and ``hard_early``. Each task sets its batch (tasks per update), its updates per run and its
+trained response length.
 
 For each task and seed, every estimator trains from the same warm start on the same task order with
 :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator registry and policy loss with the
@@ -40,8 +41,8 @@ targets apply only to qualified tasks, and tasks that fail the rule are reported
 Measured, per task, seed and estimator:
 
 * **success curve** — every ``--eval-every`` updates, the success rate of ``--eval-episodes`` independent sampled
-  episodes on each held-out evaluation task (task ids never trained on; the same tasks and sandbox seeds for every
-  estimator);
+  episodes on each evaluation task (task ids never trained on, except the real-engine pair's: its training games,
+  in episodes of their own; the same tasks and sandbox seeds for every estimator);
 * **updates to target** — the first evaluated update whose success reaches the task's target (a seed that never
   does counts as updates + ``--eval-every``, stated as censored);
 * **tokens to target** — the generated tokens spent until then (a censored seed at its mean rate per update): the
@@ -107,7 +108,7 @@ BASELINES = ("grpo", "rloo")
 CONTROL = "rloo_2n"  # RLOO with 2N rollouts per task: half RLOO's variance per update, twice its tokens
 REFERENCE_TASKS = ("late", "early")  # step-bound at their learning rate: the reference, not the default run
 BENCHMARK_TASKS = {**TASKS, **TEXTWORLD_TASKS}  # the embedded tasks and the real-engine pair
-# Not in the default run until a warm start of theirs reliably plays held-out games (textworld_tasks' docstring).
+# Not in the default run until their control has run (calibration first: textworld_tasks' docstring).
 OPT_IN_TASKS = tuple(TEXTWORLD_TASKS)
 ROLLOUT_N, MAX_TOKENS_PER_TURN = 8, 6
 ADAM_EPS = 1e-5  # torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)
@@ -493,7 +494,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=6)
     parser.add_argument("--updates", type=int, default=None, help="updates per run (default: the task's)")
     parser.add_argument("--eval-every", type=int, default=2)
-    parser.add_argument("--eval-episodes", type=int, default=2, help="episodes per held-out task per evaluation")
+    parser.add_argument("--eval-episodes", type=int, default=2, help="episodes per evaluation task per evaluation")
     parser.add_argument("--grad-draws", type=int, default=128, help="batches per estimator for the gradient variance")
     parser.add_argument("--grad-warmup", type=int, default=4, help="BPO batches that teach its profile first")
     parser.add_argument("--max-leaves", type=int, default=MAX_LEAVES, help="bpo.learned.max_leaves of the BPO trees")

@@ -27,7 +27,8 @@ def test_tasks_differ_only_in_where_the_decision_sits():
     assert late.name.endswith("_late") and early.name.endswith("_early")
     assert dataclasses.replace(early, name=late.name, warm_start=late.warm_start) == late
     assert (late.warm_start["decisive"], early.warm_start["decisive"]) == ("last", "first")
-    assert set(late.train_ids).isdisjoint(late.eval_ids) and late.max_turns == late.sandbox_config["max_steps"] >= 8
+    # evaluation plays the training games (sampled episodes of its own): the warm start knows their routes only
+    assert late.eval_ids == late.train_ids and late.max_turns == late.sandbox_config["max_steps"] >= 8
     assert tw.QUEST_LENGTH >= 3 and tw.CHALLENGE in CHALLENGES
 
 
@@ -58,18 +59,10 @@ def test_demonstrator_noise_and_a_walkthrough_command_no_longer_admissible():
         tw.decisive_step(8, "middle")
 
 
-def test_held_out_games_use_only_the_training_games_command_words():
-    words = tw.command_words(WALKTHROUGH)
-    assert {"go", "west", "unlock", "door", "with", "key"} <= words
-    assert tw.covered(["open chest", "take key from chest", "Go East"], words)
-    assert not tw.covered(["open chest", "take whisk from chest"], words)
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, monkeypatch_module):
-    """``build_games`` for two training games (one chunk of two seeds) and no held-out one."""
+    """``build_games`` for two games (one chunk of two seeds)."""
     monkeypatch_module.setattr(tw, "N_TRAIN", 2)
-    monkeypatch_module.setattr(tw, "N_EVAL", 0)
     monkeypatch_module.setattr(tw, "SEED_CHUNK", 2)
     out = tmp_path_factory.mktemp("tw_real")
     return out, tw.build_games(out)

@@ -17,37 +17,32 @@
                  after it only reveals the outcome.
 
 Games are generated as part of building the task (:func:`build_games`, deterministic by seed, cached under the
-benchmark's output directory); the held-out games are other seeds' chains (other room names, directions and
-phrasings), with the training games' command words (:func:`covered`). The tiny model's tokenizer is trained on
-this engine's chats and its warm start on the demonstrator's (:func:`textworld_task_model`). A task's
-``sandbox_config`` names no ``games_dir`` until :func:`with_games` gives it the cache directory. Observations are
-the engine's, every admissible command listed; only the ASCII-art title of the first turn is stripped
-(``strip_banner``: a hundred tokens that carry nothing). Episodes take about 236 prompt and 580 response tokens.
+benchmark's output directory). **Evaluation plays the training games** (``eval_ids`` = ``train_ids``), in sampled
+episodes of their own (never an update's rollouts, the same games and sandbox seeds for every estimator): the warm
+start learns each training game's route, not a rule that carries it through games it never saw (measured below), so
+on unseen chains every estimator would read zero. What RL has to learn, the decisive command, is the same in every
+game ("take coin" last; the first room's one exit first). The tiny model's tokenizer is trained on this engine's chats
+and its warm start on the demonstrator's (:func:`textworld_task_model`). A task's ``sandbox_config`` names no
+``games_dir`` until :func:`with_games` gives it the cache directory. Observations are the engine's, every admissible
+command listed; only the ASCII-art title of the first turn is stripped (``strip_banner``: a hundred tokens that carry
+nothing). Episodes take about 236 prompt and 580 response tokens.
 
-Why coin collector (measured, ``real_late``'s sampled held-out episodes, temperature 1): the earlier games of this
-pair were ``tw-make custom`` quests (one room, 5 objects, quests of 5 steps: take a key, unlock a container, ...).
-After 600 warm-start steps on 48 of them the tiny model played the training games' routine (greedy accuracy
-0.75-1.0 per step) but won 0 of 112 held-out episodes: it memorized the walkthroughs' object names instead of
-copying from the listed commands (held-out commands kept a log-prob of -17 to -26), so there was nothing for RL to
-sharpen. A chain of rooms asks for a rule that holds in every game (take the listed exit you did not come in by).
+Why coin collector (measured, ``real_late``'s sampled episodes, temperature 1): the earlier games of this pair were
+``tw-make custom`` quests (one room, 5 objects, quests of 5 steps: take a key, unlock a container, ...), where the
+routine is each game's object names. A chain of rooms has a routine that could hold in every game (take the listed
+exit you did not come in by), and one decisive command that does.
 
-Not yet reliable, so not in the benchmark's default run (2026-12-06, 1000 warm-start steps of batch 8 at lr 3e-3
-decaying to 0, 6-7 min each on two cores; teacher-forced probability of the seven moves on 16 held-out games, their
-product, and held-out success of 128 sampled episodes):
-
-* 64 training games, 256 demonstrations: **0.98 0.97 0.92 0.98 0.95 0.82 0.90** (product 0.58), "take coin" 0.18,
-  **0.07** held out (0.125 on training games): the rule learned, success sparse, as intended. The same recipe again
-  (the demonstrator since counting the walkthrough's commands played, which changes only demonstrations after a
-  noisy move): 0.64 0.32 0.62 0.42 0.36 0.31 0.22, held out 0.00.
-* 192 training games, 256 demonstrations: 0.97 0.63 0.70 0.62 0.51 0.55 0.68 (0.14), held out 0.00; 1024
-  demonstrations: 0.24 per move, uniform among the exits (the rule not found), held out 0.00.
-* ``real_early`` on 64 games with the earlier demonstrator (which, after a wrong first guess, indexed the walkthrough
-  by turn and so played at random): 0.72 0.63 0.80 0.79 0.61 0.71 after the first room, held out 0.055.
-
-So one warm start in four found the rule: whether a 2-layer model of width 128 finds it within 1000 steps is a
-lottery, and a benchmark over per-seed warm starts needs it found every time (longer training, a curriculum of
-shorter chains, or a wider model are the next things to try). Commands are one or two tokens; 128 sampled
-evaluation episodes take about 13 s.
+Why the training games (2026-12-06, warm starts of 1000 steps, batch 8, lr 3e-3 decaying to 0, 256 demonstrations;
+teacher-forced probability of the seven moves on 16 unseen games, and the success of 128 sampled episodes on unseen
+and on training games): the rule that carries to unseen chains was found by 2 of 11 warm starts, partly (moves at
+0.7-0.98; 0.07 and 0.03 on unseen games), whatever was tried: the recipe on 64 games over five draws (0.00-0.07 on
+unseen games), 2000 steps (0.00, 0.03), 192 training games with 256, 768 or 1024 demonstrations (moves at chance
+between the room's two exits, or below), a model of 4 layers (64 games: memorized, moves 0.32-0.59 on unseen games,
+0.00; 192 games: 0.03 and 0.00) or of width 256 (the loss stayed at the chance level of the moves for 450 steps, so it
+was stopped). Every warm start on 64 games learned the training games' routes: sampled success on them 0.11, 0.125,
+0.125, 0.23 (the 4-layer one, the turn-counting demonstrator's, seeds 1 and 2 of the recipe), sparse, with "take coin"
+at 0.16-0.2 in the last room, as the late form needs. Commands are one or two tokens; 128 sampled episodes take
+about 13 s.
 """
 
 from __future__ import annotations
@@ -64,24 +59,23 @@ from verl_bpo.demo.tasks import DemoTask, warm_start_folder
 from verl_bpo.demo.tiny_model import build_tiny_model, default_corpus
 from verl_bpo.demo.warm_start import play_chats, random_policy_chats, warm_start
 
-__all__ = ["CHALLENGE", "GAME_SETTINGS", "QUEST_LENGTH", "N_TRAIN", "N_EVAL", "N_GAMES", "MAX_STEPS",
-           "TEXTWORLD_TASKS", "real_late", "real_early", "games_dir", "command_words", "covered", "build_games",
+__all__ = ["CHALLENGE", "GAME_SETTINGS", "QUEST_LENGTH", "N_TRAIN", "MAX_STEPS",
+           "TEXTWORLD_TASKS", "real_late", "real_early", "games_dir", "build_games",
            "with_games", "decisive_step", "demonstrator_action", "demonstration_chats", "textworld_task_model"]
 
 CHALLENGE = "tw-coin_collector"
 GAME_SETTINGS = {"level": 8}  # a chain of 8 rooms, no dead ends: 7 moves and "take coin"
 QUEST_LENGTH = GAME_SETTINGS["level"]  # the walkthrough's commands: at levels 1-100, the chain's length
-N_TRAIN, N_EVAL = 64, 32  # training and held-out games; task ids index the games in sorted file order
-N_GAMES = N_TRAIN + N_EVAL
+N_TRAIN = 64  # the games: task ids index them in sorted file order
 MAX_STEPS = QUEST_LENGTH  # the turns of an episode: no slack, so one wrong command costs the game
 SEED_CHUNK = 8  # seeds are generated in chunks of this many until enough games are chosen
 VOCAB_SIZE = 1024  # the tokenizer's BPE budget: every word of these games' commands becomes one token
 _SANDBOX_CONFIG = {"max_steps": MAX_STEPS, "show_admissible": True, "strip_banner": True}
 
-# ``target``, ``lr``, ``batch`` and ``updates`` are first guesses, not calibrated (no warm start reliably plays the
-# held-out games yet: module docstring).
+# ``target``, ``lr``, ``batch`` and ``updates`` are first guesses, not calibrated. Evaluation plays the training
+# games (module docstring).
 real_late = DemoTask(
-    "real_late", "textworld", _SANDBOX_CONFIG, train_ids=range(0, N_TRAIN), eval_ids=range(N_TRAIN, N_GAMES),
+    "real_late", "textworld", _SANDBOX_CONFIG, train_ids=range(0, N_TRAIN), eval_ids=range(0, N_TRAIN),
     max_turns=MAX_STEPS,
     warm_start={"decisive": "last", "noise": 0.03, "episodes": 256, "steps": 1000, "batch_size": 8, "lr": 3e-3,
                 "decay": True},
@@ -96,22 +90,7 @@ def games_dir(out: str | Path) -> Path:
     """Where the tasks' games are cached under the benchmark's output directory ``out`` (only these games: task
     ids index the directory's ``.z8`` files)."""
     settings = "_".join(f"{key[0]}{value}" for key, value in GAME_SETTINGS.items())
-    return Path(out) / f"textworld_games_{CHALLENGE}_{settings}_t{N_TRAIN}_e{N_EVAL}"
-
-
-def command_words(walkthrough: Sequence[str]) -> set[str]:
-    """The words of a walkthrough's commands (lower case)."""
-    return {word for command in walkthrough for word in command.lower().split()}
-
-
-def covered(walkthrough: Sequence[str], words: set[str]) -> bool:
-    """Whether every word of ``walkthrough``'s commands is in ``words`` (the training games' command words).
-
-    A held-out game must be: the tiny model's output layer is not tied to its input embeddings, so a token that is
-    never a target in the warm start is only ever pushed down, and a command naming a new object ("whisk", "type 9
-    latchkey") is out of its reach whatever RL does. Every coin-collector game is (its commands are "go" with a
-    direction and "take coin"); the check keeps the split sound for any challenge."""
-    return command_words(walkthrough) <= words
+    return Path(out) / f"textworld_games_{CHALLENGE}_{settings}_t{N_TRAIN}"
 
 
 def playable(game: str | Path) -> bool:
@@ -132,33 +111,24 @@ def playable(game: str | Path) -> bool:
 def build_games(out: str | Path, workers: int = 2) -> Path:
     """Generate the games and return their directory (cached; deterministic).
 
-    Seeds 0, 1, 2, ... are generated with ``tw-make`` (about 3 s a game, ``workers`` at a time; the 96 games took
-    156 s) into ``all/`` in chunks. In seed order, the first :data:`N_TRAIN` :func:`playable` games are the
-    training games and the next :data:`N_EVAL` playable ones that are :func:`covered` by the training games'
-    command words are the held-out games; they are copied into the directory the tasks index, named with their
-    index first so that sorted file order is this order."""
+    Seeds 0, 1, 2, ... are generated with ``tw-make`` (about 3 s a game, ``workers`` at a time; 96 games took 156 s)
+    into ``all/`` in chunks. In seed order, the first :data:`N_TRAIN` :func:`playable` games are copied into the
+    directory the tasks index, named with their index first so that sorted file order is this order."""
     path = games_dir(out)
     pool = path / "all"
     chosen = sorted(path.glob("*.z8"))
-    if len(chosen) == N_TRAIN + N_EVAL and all(g.with_suffix(".json").is_file() for g in chosen):
+    if len(chosen) == N_TRAIN and all(g.with_suffix(".json").is_file() for g in chosen):
         return path
     for stale in [*path.glob("*.z8"), *path.glob("*.json")]:
         stale.unlink()
-    train: list[Path] = []
-    held_out: list[Path] = []
-    words: set[str] = set()
+    games: list[Path] = []
     start = 0
-    while len(train) < N_TRAIN or len(held_out) < N_EVAL:
+    while len(games) < N_TRAIN:
         made = make_games(pool, range(start, start + SEED_CHUNK), challenge=CHALLENGE, workers=workers,
                           **GAME_SETTINGS)
-        for game in filter(playable, made):
-            if len(train) < N_TRAIN:
-                train.append(game)
-                words |= command_words(game_walkthrough(game))
-            elif len(held_out) < N_EVAL and covered(game_walkthrough(game), words):
-                held_out.append(game)
+        games += list(filter(playable, made))[: N_TRAIN - len(games)]
         start += SEED_CHUNK
-    for index, game in enumerate(train + held_out):
+    for index, game in enumerate(games):
         for src in (game, game.with_suffix(".json")):
             shutil.copyfile(src, path / f"{index:03d}_{src.name}")
     return path
