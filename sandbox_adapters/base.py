@@ -57,7 +57,10 @@ def parse_text_command(text: str, patterns: Sequence[re.Pattern] = (ACTION_LINE,
     """A text-game command from a model turn: the last match of the first pattern that matches, else the whole
     reply when it is a single line; normalised to lower case without quotes or a trailing period. ``None`` for
     free text over several lines, an empty command, or one longer than ``max_chars`` (text engines such as Jericho
-    truncate long input anyway; anything that long is not a command)."""
+    truncate long input anyway; anything that long is not a command). Characters that are not printable are
+    dropped: the Z-machine interpreter under TextWorld reads control characters as hot keys (0x0e starts recording
+    the input into a file named by the command, in the engine's working directory; 0x0f replays one), and a
+    byte-level tokenizer can sample any of them."""
     for pattern in patterns:
         found = pattern.findall(text)
         if found:
@@ -67,6 +70,7 @@ def parse_text_command(text: str, patterns: Sequence[re.Pattern] = (ACTION_LINE,
         candidate = text.strip()
         if "\n" in candidate:
             return None
+    candidate = "".join(ch for ch in candidate if ch.isprintable() or ch.isspace())
     candidate = " ".join(candidate.strip().strip("`'\"").rstrip(".!").lower().split())
     if not candidate or len(candidate) > max_chars:
         return None

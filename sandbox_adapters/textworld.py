@@ -69,6 +69,10 @@ __all__ = ["TextWorldSandbox", "CHALLENGES", "make_games", "game_walkthrough"]
 
 # Inform7 prints a prompt and a status bar ("> ... -= Room =-0/3") after every turn; they only add noise.
 _PROMPT_TAIL = re.compile(r"\n>[^\n]*\s*$")
+# The game's verbs that open a file in the interpreter's working directory: "save" writes <game>.qzl there and
+# "restore" reads it back (so one episode could load another's position), "script"/"transcript" write a transcript.
+# Refused before the engine sees them (a turn without a command); no game's walkthrough uses them.
+FILE_VERBS = frozenset({"save", "restore", "script", "transcript"})
 # Wrapper attributes that change from step to step (see the module docstring).
 _TRACKED_ATTRS = (
     "_last_action",
@@ -364,7 +368,8 @@ class TextWorldSandbox(Sandbox):
         return Observation(self._render(state), self._info(state))
 
     def parse_action(self, text: str) -> str | None:
-        return parse_text_command(text)
+        command = parse_text_command(text)
+        return None if command is None or command.split()[0] in FILE_VERBS else command
 
     def _step_text(self, action_text: str) -> StepResult:
         if self.parse_action(action_text) is not None:

@@ -145,6 +145,19 @@ def test_unknown_command_is_flagged_and_max_steps_truncates(tw_games):
         assert last.done and last.info["truncated"] and last.info["invalid_action"] and last.reward == 0.0
 
 
+def test_no_command_writes_or_reads_a_file(tw_games, tmp_path, monkeypatch):
+    """Byte 0x0e in a command is the interpreter's record hot key: it wrote the following commands into a file named
+    by the command, in the engine's working directory (found in a learning run, in the repository's root); "save"
+    writes the position there (and "restore" would load it into another episode), "script" a transcript."""
+    monkeypatch.chdir(tmp_path)
+    with TextWorldSandbox() as sandbox:
+        sandbox.reset({"game": str(tw_games[0])})
+        for command in ["go south\x0e coin", "look", "save", "Transcript", "script on", "restore", "inventory"]:
+            result = sandbox.step(command)
+            assert result.info["invalid_action"] == (command not in ("look", "inventory"))
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_games_are_reproducible_and_task_ids_resolve(tw_games, tmp_path):
     again = make_games(tmp_path, SEEDS[:1])
@@ -187,6 +200,8 @@ def test_restore_across_games_and_into_a_sandbox_on_another_game(tw_games):
         ("", None),
         ("first line\nsecond line", None),
         ("x" * 500, None),
+        ("go south\x0e coin", "go south coin"),  # control characters are Z-machine hot keys: dropped
+        ("\x0f", None),  # the replay hot key alone: no command
     ],
 )
 def test_parse_action(text, action):
