@@ -66,7 +66,8 @@ Measured, per task, seed and estimator:
 
 (``--updates``: default each task's own.) The control's runs are saved under ``--out`` (``control_<task>.json``);
 ``--reuse-control`` takes them into a later run with the same ``--out`` and settings (checked), so a task is
-qualified once (``--control-only``) and its GRPO and BPO runs come after the verdict. Last line: one JSON object
+qualified once (``--control-only``) and its GRPO and BPO runs come after the verdict; with more ``--seeds`` than were
+saved it trains only the seeds the save lacks and saves them all (a control grows from three seeds to six). Last line: one JSON object
 with, per task prefix (``<task>_``): ``qualified`` (true/false, the rule above), ``snr_rloo``,
 ``updates_to_target_rloo_2n_over_rloo``, ``final_success_rloo_2n_minus_rloo``, ``qualification`` (the rule, the
 ratio, its CI and the seeds' updates),
@@ -477,16 +478,19 @@ def control_settings(args: argparse.Namespace, task: DemoTask, updates: int) -> 
 
 
 def reused_control(path: Path, settings: dict) -> dict:
-    """The control's runs saved at ``path`` by a ``--control-only`` run, if it ran under ``settings``."""
+    """The control's runs saved at ``path`` by a ``--control-only`` run, if it ran under ``settings``: per estimator,
+    the first ``settings["seeds"]`` seeds' runs, or as many as were saved (the caller trains the rest, so a control
+    grows seed by seed: seed s always trains from warm start s)."""
     if not path.is_file():
         raise SystemExit(f"--reuse-control: no saved control at {path}; run with --control-only and the same --out "
                          "first, or drop --reuse-control")
     saved = json.loads(path.read_text())
-    differ = {k: (saved["settings"].get(k), v) for k, v in settings.items() if saved["settings"].get(k) != v}
+    differ = {k: (saved["settings"].get(k), v) for k, v in settings.items()
+              if k != "seeds" and saved["settings"].get(k) != v}
     if differ:
         raise SystemExit(f"--reuse-control: {path} was trained with other settings (field: saved, now): {differ}; "
                          "use that run's settings or drop --reuse-control")
-    return {e: saved[e] for e in ("rloo", CONTROL)}
+    return {e: saved[e][:settings["seeds"]] for e in ("rloo", CONTROL)}
 
 
 def main() -> None:
@@ -519,7 +523,8 @@ def main() -> None:
                              "one: every seed from warm start 0 (the records before 2026-12-06)")
     parser.add_argument("--reuse-control", action="store_true",
                         help="take the control's runs from a --control-only run into the same --out with the same "
-                             "settings (its control_<task>.json) instead of training them again")
+                             "settings (its control_<task>.json) instead of training them again; seeds it lacks "
+                             "are trained and saved with it")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
     out = args.out.resolve()
@@ -553,11 +558,14 @@ def main() -> None:
         rloo_grads = pool.submit(gradient_draws, model_dirs[0], task, "rloo", args.grad_draws, 0, tree)
         saved = out / f"control_{name}.json"
         settings = control_settings(args, task, updates)
+        have = 0
         if args.reuse_control:
-            runs.update(reused_control(saved, settings))
-        else:
+            for e, saved_runs in reused_control(saved, settings).items():
+                runs[e][:len(saved_runs)] = saved_runs
+                have = len(saved_runs)
+        if have < args.seeds:
             train([(e, seed, {"rollout_n": 2 * ROLLOUT_N} if e == CONTROL else {})
-                   for seed in range(args.seeds) for e in ("rloo", CONTROL)])
+                   for seed in range(have, args.seeds) for e in ("rloo", CONTROL)])
             saved.write_text(json.dumps({"settings": settings, **{e: runs[e] for e in ("rloo", CONTROL)}}))
         grads = {"rloo": rloo_grads.result()}
         censored = updates + args.eval_every

@@ -224,8 +224,9 @@ def test_trained_tokens_of_a_tree_in_leaf_and_packed_layout():
 
 
 def test_a_saved_control_is_reused_only_under_the_settings_it_was_trained_with(tmp_path):
-    """``--reuse-control``: the control's runs come back as saved; another learning rate, seed count or warm-start
-    mode is refused with the field named, and so is a missing file."""
+    """``--reuse-control``: the control's runs come back as saved, as many seeds as asked for or saved (the caller
+    trains the rest); another learning rate or warm-start mode is refused with the field named, and so is a missing
+    file."""
     import argparse
     import json
 
@@ -237,6 +238,12 @@ def test_a_saved_control_is_reused_only_under_the_settings_it_was_trained_with(t
     path = tmp_path / "control_hard_late.json"
     path.write_text(json.dumps({"settings": settings, **saved}))
     assert learning.reused_control(path, settings) == json.loads(json.dumps(saved))
+    fewer = learning.control_settings(argparse.Namespace(**{**vars(args), "seeds": 1}), task, UPDATES)
+    more = learning.control_settings(argparse.Namespace(**{**vars(args), "seeds": 6}), task, UPDATES)
+    assert learning.reused_control(path, fewer) == json.loads(json.dumps({e: r[:1] for e, r in saved.items()}))
+    assert learning.reused_control(path, more) == json.loads(json.dumps(saved))
+    with pytest.raises(SystemExit, match="'warm_starts'"):
+        learning.reused_control(path, {**more, "warm_starts": "one"})
     other = learning.control_settings(argparse.Namespace(**{**vars(args), "lr": 3e-4}), task, UPDATES)
     with pytest.raises(SystemExit, match="'lr'"):
         learning.reused_control(path, other)
