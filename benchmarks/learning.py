@@ -67,19 +67,20 @@ Measured, per task, seed and estimator:
 (``--updates``: default each task's own.) The control's runs are saved under ``--out`` (``control_<task>.json``);
 ``--reuse-control`` takes them into a later run with the same ``--out`` and settings (checked), so a task is
 qualified once (``--control-only``) and its GRPO and BPO runs come after the verdict; with more ``--seeds`` than were
-saved it trains only the seeds the save lacks and saves them all (a control grows from three seeds to six). Last line: one JSON object
-with, per task prefix (``<task>_``): ``qualified`` (true/false, the rule above), ``snr_rloo``,
-``updates_to_target_rloo_2n_over_rloo``, ``final_success_rloo_2n_minus_rloo``, ``qualification`` (the rule, the
-ratio, its CI and the seeds' updates),
-``updates_to_target_bpo_over_grpo``, ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``,
-``final_success_bpo_minus_rloo``, ``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``),
-``grad_var_bpo_over_rloo``, their ``ci95``, ``per_update`` costs and pre-clip gradient norm per estimator,
-``wall_s_per_run`` (per estimator, each seed's run: its updates and held-out evaluations, two runs at a time),
-``curves`` (each seed's held-out success at ``curve_updates``), ``fallen_seeds`` (per estimator, the runs that fell
-to no success after a warm start that had some), and ``targets``: on a qualified task each target with its value
-and ``met``, otherwise ``"not applicable: task not noise-limited"``. Targets (the paper's): on late-decision forms
-(``late``, ``hard_late``, ``real_late``) updates to target BPO/GRPO <= 0.62, final success BPO - GRPO >= +0.036,
-gradient variance BPO/RLOO <= 0.5; on early-decision forms (``*early``) final success BPO - RLOO >= -0.02 (a tie).
+saved it trains only the seeds the save lacks and saves them all (a control grows from three seeds to six).
+
+Last line: one JSON object with, per task prefix (``<task>_``): ``qualified`` (true/false, the rule above),
+``snr_rloo``, ``updates_to_target_rloo_2n_over_rloo``, ``final_success_rloo_2n_minus_rloo``, ``qualification`` (the
+rule, the ratio, its CI and the seeds' updates), ``updates_to_target_bpo_over_grpo``,
+``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``,
+``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``), ``grad_var_bpo_over_rloo``, their ``ci95``, ``per_update``
+costs and pre-clip gradient norm per estimator, ``wall_s_per_run`` (per estimator, each seed's run: its updates and
+held-out evaluations, two runs at a time), ``curves`` (each seed's held-out success at ``curve_updates``),
+``fallen_seeds`` (per estimator, the runs that fell to no success after a warm start that had some; they stay in every
+figure, see ``fallen``), and ``targets``: on a qualified task each target with its value and ``met``, otherwise ``"not
+applicable: task not noise-limited"``. Targets (the paper's): on late-decision forms (``late``, ``hard_late``,
+``real_late``) updates to target BPO/GRPO <= 0.62, final success BPO - GRPO >= +0.036, gradient variance BPO/RLOO <=
+0.5; on early-decision forms (``*early``) final success BPO - RLOO >= -0.02 (a tie).
 """
 
 from __future__ import annotations
@@ -340,7 +341,12 @@ def success_at_tokens(run: dict, tokens: float, batch: int) -> float:
 def fallen(run: dict) -> bool:
     """Whether a run fell: an evaluation after its warm start read no success at all where the warm start read
     some (the collapse to a never-winning policy that a few runs show; which run falls is a draw, so the summary
-    counts them per estimator)."""
+    counts them per estimator).
+
+    The rule, fixed before any comparison that follows it: a fallen run stays in every figure as it ran (its updates
+    to target censored if it never got there, its final success as measured). A collapse is an outcome of the
+    estimator that trained it; leaving it out would favour the estimator that falls more. ``fallen_seeds`` lets a
+    reader see whether a difference comes from them."""
     start, *later = [s for _, s in run["curve"]]
     return start > 0 and any(s == 0 for s in later)
 
@@ -425,6 +431,10 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
     }
 
 
+# The real-engine pair evaluates on its training games, in sampled episodes of their own (textworld_tasks).
+EVALUATED = {False: "held-out success rate", True: "success rate (training games, own episodes)"}
+
+
 def plot(task: DemoTask, runs: dict, path: Path) -> None:
     import matplotlib
 
@@ -443,7 +453,8 @@ def plot(task: DemoTask, runs: dict, path: Path) -> None:
             ax.fill_between(xs, mean - 1.96 * sem, mean + 1.96 * sem, alpha=0.2)
     for ax, label in zip(axes, ("policy updates", "generated tokens")):
         ax.axhline(task.target, color="0.5", ls="--", lw=1, label=f"target {task.target}")
-        ax.set(xlabel=label, ylabel="held-out success rate", title=f"{task.name} task ({task.sandbox})")
+        ax.set(xlabel=label, ylabel=EVALUATED[list(task.eval_ids) == list(task.train_ids)],
+               title=f"{task.name} task ({task.sandbox})")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
