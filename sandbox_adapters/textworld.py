@@ -261,6 +261,10 @@ class TextWorldSandbox(Sandbox):
                 raise ValueError(f"textworld: snapshot must be native, copy or replay, got {self.snapshot!r}")
             if self.max_steps < 1:
                 raise ValueError("textworld: max_steps must be >= 1")
+            # Relative to where the sandbox is made, not to the private directory of the engine process it may be
+            # shipped to (verl_bpo.rollout.engine_pool).
+            if self.games_dir:
+                self.games_dir = os.path.abspath(self.games_dir)
 
     # Concurrent resets on different instances corrupt TextWorld's shared grammar parser (seen in threads).
     thread_safe: ClassVar[bool] = False

@@ -199,6 +199,8 @@ class ALFWorldSandbox(Sandbox):
             if self.max_steps < 1:
                 raise ValueError("alfworld: max_steps must be >= 1")
             self.task_types = tuple(self.task_types)
+            if self.data_dir:  # see ALFWorldSandbox.__init__
+                self.data_dir = os.path.abspath(os.path.expanduser(self.data_dir))
 
     # Concurrent resets on different instances corrupt TextWorld's shared grammar parser (seen in threads).
     thread_safe: ClassVar[bool] = False
@@ -212,6 +214,12 @@ class ALFWorldSandbox(Sandbox):
     def __init__(self, config: ALFWorldSandbox.Config | None = None) -> None:
         super().__init__()
         self.config = config or ALFWorldSandbox.Config()
+        # Relative paths (data_dir, $ALFWORLD_DATA, a task's game without a data_dir) are the ones of where the
+        # sandbox is made, not of the private directory of the engine process it may be shipped to
+        # (verl_bpo.rollout.engine_pool): resolved now.
+        self._origin = os.getcwd()
+        env = os.environ.get("ALFWORLD_DATA")
+        self._data_dir = self.config.data_dir or (os.path.abspath(os.path.expanduser(env)) if env else None)
         self.snapshot_kind = SnapshotKind.REPLAY if self.config.snapshot == "replay" else SnapshotKind.NATIVE
         self._engine: Any = None  # the TextWorld batch gym env
         self._game: str | None = None
@@ -225,15 +233,15 @@ class ALFWorldSandbox(Sandbox):
     def games(self) -> list[Path]:
         """The games ``{"task_id": i}`` indexes."""
         if self._games is None:
-            root = resolve_games_dir(self.config.data_dir, self.config.split)
+            root = resolve_games_dir(self._data_dir, self.config.split)
             self._games = find_games(root, self.config.task_types)
         return self._games
 
     def resolve_game(self, task: Mapping[str, Any]) -> str:
         if "game" in task:
             path = Path(task["game"])
-            if not path.is_absolute() and self.config.data_dir:
-                path = Path(self.config.data_dir) / path
+            if not path.is_absolute():
+                path = Path(self.config.data_dir or self._origin) / path
         elif "task_id" in task:
             games = self.games()
             if not 0 <= int(task["task_id"]) < len(games):

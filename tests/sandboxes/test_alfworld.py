@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import shutil
 
@@ -182,6 +183,24 @@ def test_games_dir_resolution(tmp_path):
     assert resolve_games_dir(tmp_path / "b", "train") == tmp_path / "b"  # a flat folder of trials
     with pytest.raises(FileNotFoundError):
         resolve_games_dir(tmp_path / "missing", "train")
+
+
+def test_relative_paths_are_where_the_sandbox_is_made(alf_root, alf_games, tmp_path, monkeypatch):
+    """The engine process a sandbox is shipped to runs in a private directory: ``data_dir``, ``$ALFWORLD_DATA``
+    and a task's relative game are resolved where the sandbox is made, and still hold after a move elsewhere."""
+    import pickle
+
+    monkeypatch.chdir(alf_root.parent)
+    relative = os.path.relpath(alf_root)
+    game = os.path.relpath(alf_games["pick_and_place_simple"])
+    assert ALFWorldSandbox.Config(data_dir=relative).data_dir == str(alf_root)
+    monkeypatch.setenv("ALFWORLD_DATA", relative)
+    from_env, no_dir = ALFWorldSandbox(), ALFWorldSandbox()
+    monkeypatch.chdir(tmp_path)  # as the engine process does, with the pickled sandbox
+    from_env, no_dir = pickle.loads(pickle.dumps(from_env)), pickle.loads(pickle.dumps(no_dir))
+    assert sorted(map(str, from_env.games())) == sorted(alf_games.values())
+    monkeypatch.delenv("ALFWORLD_DATA")
+    assert no_dir.resolve_game({"game": game}) == alf_games["pick_and_place_simple"]
 
 
 def test_find_games_filters_like_alfworld(alf_root, alf_games, tmp_path):

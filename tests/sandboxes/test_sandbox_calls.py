@@ -10,6 +10,7 @@ import dataclasses
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -352,6 +353,47 @@ def test_a_hung_call_in_an_engine_process_kills_it_and_the_next_tree_proceeds(en
     assert took < 30.0  # the hung call sleeps for an hour: the tree did not wait for it
     (after,), _ = _grow(1, FakeProcessEngine)
     assert not any(leaf.failed for leaf in after.leaves), [leaf.error for leaf in after.leaves]
+
+
+class FileWritingEngine(FakeProcessEngine):
+    """A fake engine whose every step writes a file where its process runs (as a Z-machine's "save" does)."""
+
+    def _apply(self, action):
+        result = super()._apply(action)
+        with open("written", "w") as f:
+            f.write(action)
+        info = {**result.info, "cwd": os.getcwd()}
+        return dataclasses.replace(result, observation=Observation(result.observation.text, info), info=info)
+
+
+def _gone(path: str, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not os.path.exists(path)
+
+
+@pytest.mark.slow
+def test_an_engine_process_writes_only_in_a_private_directory_that_ends_with_it(engines, tmp_path, monkeypatch):
+    """A file the engine writes lands in its process's own directory, never where the trainer runs, and that
+    directory is removed when the process ends: shut down, or killed for a call past its limit."""
+    monkeypatch.chdir(tmp_path)  # where the trainer runs
+    calls = SandboxCalls(5.0)
+
+    async def step(box):
+        await calls("reset", box, "reset", {"task_id": 0})
+        return (await calls("step", box, "step", "look")).info["cwd"]
+
+    killed, shut = FileWritingEngine(), FileWritingEngine()
+    dirs = [asyncio.run(step(box)) for box in (killed, shut)]
+    for workdir in dirs:
+        assert os.path.basename(workdir).startswith(engine_pool.WORKDIR_PREFIX) and os.path.isdir(workdir)
+        assert (Path(workdir) / "written").read_text() == "look"
+    assert not (tmp_path / "written").exists() and dirs[0] != dirs[1]  # two trees, two processes
+    engines.stop(killed, "step", 1.0)
+    assert _gone(dirs[0]), "a killed engine process's directory outlived it"
+    engines.shutdown()
+    assert _gone(dirs[1]), "a shut-down engine process's directory outlived it"
 
 
 def test_a_sandbox_that_does_not_pickle_runs_in_this_process(engines):

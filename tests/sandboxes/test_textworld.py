@@ -216,6 +216,13 @@ def test_registry_and_config():
         TextWorldSandbox.Config(snapshot="magic")
 
 
+def test_a_relative_games_dir_is_where_the_sandbox_is_made(tmp_path, monkeypatch):
+    """The engine process a sandbox is shipped to runs in a private directory: a relative ``games_dir`` must be
+    resolved where the config is made."""
+    monkeypatch.chdir(tmp_path)
+    assert TextWorldSandbox.Config(games_dir="games").games_dir == str(tmp_path / "games")
+
+
 def test_forks_into_fresh_sandboxes_neither_load_nor_reset_the_game(tw_games, monkeypatch):
     """The sampler restores each child into a fresh sandbox: it rebuilds the wrapper stack from the snapshot around
     a Z-machine of the pool (or a new one) instead of loading the game's .json and resetting."""

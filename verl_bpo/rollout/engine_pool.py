@@ -27,6 +27,12 @@ sandboxes go to a fresh process, and nothing of the hung call is left running. A
 calls with ``SandboxCrashed``. Engine processes end with this one (their socket closes; a watchdog also ends one
 whose parent died while a call hangs).
 
+Working directory. Each engine process runs in a private temporary directory (``bpo-engine-*``), removed when
+the process ends (by this process once it has exited, killed or not, and by the engine process itself when it ends
+on its own): an engine's interpreter can write files where it runs (a Z-machine's "save", "script", and its record
+hot key), and none of that may land where the trainer runs or outlive the process. Paths a sandbox's config or task
+gives relative to the trainer's directory are resolved by the sandbox when it is made here, before it is shipped.
+
 Run in this process as before (:mod:`~verl_bpo.rollout.sandbox_calls`): a sandbox that does not pickle (e.g. one a
 test monkeypatched), one whose first call is neither a reset nor a restore of an engine-process snapshot, and all
 of them when ``BPO_ENGINE_PROCESSES=0``.
@@ -42,9 +48,11 @@ import logging
 import os
 import pickle
 import queue
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -57,6 +65,8 @@ __all__ = ["EnginePool", "ENGINE_PROCESSES", "shared_pool"]
 
 logger = logging.getLogger(__name__)
 
+# The private working directory of each engine process (tempfile.mkdtemp's prefix).
+WORKDIR_PREFIX = "bpo-engine-"
 # Engine processes per worker process (each holds whole trees; more trees than processes share them).
 ENGINE_PROCESSES = int(os.environ.get("BPO_ENGINE_PROCESSES", max(2, min(8, os.cpu_count() or 1))))
 
@@ -126,10 +136,14 @@ class EngineProcess:
 
     def __init__(self, index: int) -> None:
         ours, theirs = socket.socketpair()
-        code = (f"import sys; sys.path[:0] = {sys.path!r}; "
-                f"from verl_bpo.rollout.engine_pool import serve; serve({theirs.fileno()})")
+        self.workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
+        # removed at this process's exit too, when the reader thread (a daemon) may not get to it
+        weakref.finalize(self, shutil.rmtree, self.workdir, True)
+        path = [os.path.abspath(p) for p in sys.path]  # "" meant this process's directory, not the engine's
+        code = (f"import sys; sys.path[:0] = {path!r}; "
+                f"from verl_bpo.rollout.engine_pool import serve; serve({theirs.fileno()}, {self.workdir!r})")
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, cwd=self.workdir)
         theirs.close()
         self.name = f"engine process {index} (pid {self.proc.pid})"
         self._sock = ours  # kept for the half-close at shutdown
@@ -230,6 +244,7 @@ class EngineProcess:
                 value, error = rest
                 call.finish(self._incoming(value), error)
         code = self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
         self.stop(SandboxCrashed(f"{self.name} exited with code {code}"))
         self._conn.close()
         self._sock.close()
@@ -392,10 +407,23 @@ if hasattr(os, "register_at_fork"):
 # The engine process
 
 
-def serve(fd: int) -> None:
+def serve(fd: int, workdir: str | None = None) -> None:
     """The engine process: build the sandboxes it is sent and run their calls, one at a time, until its socket
-    closes."""
-    _die_with_parent()
+    closes; then remove ``workdir``, the private directory it ran in (see the module docstring)."""
+    _die_with_parent(workdir)
+    try:
+        _serve(fd)
+    finally:
+        _remove_workdir(workdir)
+
+
+def _remove_workdir(workdir: str | None) -> None:
+    """Remove an engine process's private directory, and only one: a name this module made."""
+    if workdir and os.path.basename(workdir).startswith(WORKDIR_PREFIX):
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _serve(fd: int) -> None:
     conn = Connection(fd)
     boxes: dict[int, Any] = {}  # sid -> sandbox, or the error that kept it from being built
     snapshots: dict[int, Snapshot] = {}
@@ -472,14 +500,15 @@ def _close_quietly(box: Sandbox) -> None:
         logger.warning("closing a %s in its engine process failed", type(box).__name__, exc_info=True)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(workdir: str | None) -> None:
     """End this process when its parent is gone, even while an engine call hangs (a closed socket alone is only
-    seen between calls)."""
+    seen between calls); its private directory goes with it."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
+        _remove_workdir(workdir)
         os._exit(1)
 
     threading.Thread(target=watch, name="bpo-engine-parent-watch", daemon=True).start()
