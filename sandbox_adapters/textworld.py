@@ -71,7 +71,9 @@ __all__ = ["TextWorldSandbox", "CHALLENGES", "make_games", "game_walkthrough"]
 _PROMPT_TAIL = re.compile(r"\n>[^\n]*\s*$")
 # The game's verbs that open a file in the interpreter's working directory: "save" writes <game>.qzl there and
 # "restore" reads it back (so one episode could load another's position), "script"/"transcript" write a transcript.
-# Refused before the engine sees them (a turn without a command); no game's walkthrough uses them.
+# Refused before the engine sees them (a turn without a command); no game's walkthrough uses them. An engine
+# process's private directory (verl_bpo.rollout.engine_pool) keeps such files from the trainer's, but the episodes
+# of one process share it.
 FILE_VERBS = frozenset({"save", "restore", "script", "transcript"})
 # Wrapper attributes that change from step to step (see the module docstring).
 _TRACKED_ATTRS = (
