@@ -571,9 +571,10 @@ def main() -> None:
         settings = control_settings(args, task, updates)
         have = 0
         if args.reuse_control:
-            for e, saved_runs in reused_control(saved, settings).items():
+            reused = reused_control(saved, settings)
+            for e, saved_runs in reused.items():
                 runs[e][:len(saved_runs)] = saved_runs
-                have = len(saved_runs)
+            have = len(reused["rloo"])
         if have < args.seeds:
             train([(e, seed, {"rollout_n": 2 * ROLLOUT_N} if e == CONTROL else {})
                    for seed in range(have, args.seeds) for e in ("rloo", CONTROL)])

@@ -104,6 +104,11 @@ class _LoadedGame:
     entity_infos: Any
 
 
+def _absolute(path: str | None) -> str | None:
+    """``path`` with ``~`` expanded, made absolute against the current directory (None and "" stay as they are)."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
 def resolve_games_dir(data_dir: str | os.PathLike | None, split: str) -> Path:
     """The folder holding a split's trials: ``<data>/json_2.1.1/<split>``, else ``<data>/<split>``, else ``<data>``.
 
@@ -199,8 +204,7 @@ class ALFWorldSandbox(Sandbox):
             if self.max_steps < 1:
                 raise ValueError("alfworld: max_steps must be >= 1")
             self.task_types = tuple(self.task_types)
-            if self.data_dir:  # see ALFWorldSandbox.__init__
-                self.data_dir = os.path.abspath(os.path.expanduser(self.data_dir))
+            self.data_dir = _absolute(self.data_dir)  # see ALFWorldSandbox.__init__
 
     # Concurrent resets on different instances corrupt TextWorld's shared grammar parser (seen in threads).
     thread_safe: ClassVar[bool] = False
@@ -218,8 +222,7 @@ class ALFWorldSandbox(Sandbox):
         # sandbox is made, not of the private directory of the engine process it may be shipped to
         # (verl_bpo.rollout.engine_pool): resolved now.
         self._origin = os.getcwd()
-        env = os.environ.get("ALFWORLD_DATA")
-        self._data_dir = self.config.data_dir or (os.path.abspath(os.path.expanduser(env)) if env else None)
+        self._data_dir = _absolute(self.config.data_dir or os.environ.get("ALFWORLD_DATA"))
         self.snapshot_kind = SnapshotKind.REPLAY if self.config.snapshot == "replay" else SnapshotKind.NATIVE
         self._engine: Any = None  # the TextWorld batch gym env
         self._game: str | None = None

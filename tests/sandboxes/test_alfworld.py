@@ -48,6 +48,8 @@ def alf_games(alf_root):
 class TestALFWorldConformance(SandboxConformance):
     config = ALFWorldSandbox.Config()
     many_restores = 4
+    # A reset in a fresh engine process parses the game's PDDL: past 3 s on a 2-core box under load
+    sampler_step_timeout_s = 8.0
 
     @pytest.fixture(autouse=True)
     def _game(self, alf_games):
