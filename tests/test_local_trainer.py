@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verl_bpo.local.hf_client import BatchedHFClient, Generation
+from verl_bpo.local.hf_client import BatchedHFClient, Generation, PrefixCache
 from verl_bpo.local.trainer import LocalRL, LocalRLConfig
 from verl_bpo.demo.tiny_model import build_tiny_model
 
@@ -55,6 +55,52 @@ def test_concurrent_requests_become_one_batched_generate_with_teacher_forced_log
             logp = torch.log_softmax(trainer.model(ids).logits[0, :-1].float(), -1)
         expected = logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
         np.testing.assert_allclose(out.log_probs, expected.numpy(), atol=2e-4)
+
+
+def _teacher_forced(model, prompt, token_ids):
+    ids = torch.tensor([prompt + token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    return logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1).numpy()
+
+
+@pytest.mark.slow
+def test_a_turn_that_extends_a_cached_sequence_prefills_only_its_new_tokens_with_the_same_log_probs(model_dir):
+    """Second turns whose prompts extend the first turns' outputs (by different amounts, beside a prompt never seen,
+    so rows mix cached prefixes of several lengths with left padding): the cache serves them and every sampled
+    token's log-probability is still the full forward's."""
+    trainer = make_trainer(model_dir)
+    client, tokenizer = trainer.client, trainer.tokenizer
+    first = [tokenizer(f"room {i} " * (i + 2))["input_ids"] for i in range(3)]
+
+    def turn(prompts):
+        async def generate_all():
+            return await asyncio.gather(*(client.generate("r", prompt_ids=p, sampling_params={"max_tokens": 5})
+                                          for p in prompts))
+        return asyncio.run(generate_all())
+
+    outputs = turn(first)
+    assert client.cache.hits == 0 and len(client.cache._entries) == 3
+    second = [p + o.token_ids + tokenizer(" door" * (i + 1))["input_ids"] for i, (p, o) in
+              enumerate(zip(first, outputs))] + [tokenizer("a fresh prompt")["input_ids"]]
+    calls = client.calls
+    for prompt, out in zip(second, turn(second)):
+        np.testing.assert_allclose(out.log_probs, _teacher_forced(trainer.model, prompt, out.token_ids), atol=2e-4)
+    assert client.calls == calls + 1 and client.cache.hits == 3  # the fresh prompt found nothing
+    client.forget()
+    assert client.cache.tokens == 0 and client.cache.longest(second[0]) == (0, None)
+
+
+def test_the_prefix_cache_finds_the_longest_strict_prefix_and_evicts_the_least_recently_used():
+    cache = PrefixCache(max_tokens=7)
+    cache.put([1, 2], ["a"])
+    cache.put([1, 2, 3], ["b"])
+    assert cache.longest([1, 2, 3, 4]) == (3, ["b"])
+    assert cache.longest([1, 2, 3]) == (2, ["a"])  # a strict prefix: one token is left to compute
+    assert cache.longest([9, 2, 3]) == (0, None)
+    cache.put([5, 6, 7], ["c"])  # 8 tokens held: the least recently used entry, [1, 2, 3], goes
+    assert cache.tokens == 5 and cache.longest([1, 2, 3, 4]) == (2, ["a"])
+    assert PrefixCache(max_tokens=0).longest([1, 2]) == (0, None)
 
 
 def test_the_event_loop_runs_while_a_wave_generates():

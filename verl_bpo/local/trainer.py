@@ -130,6 +130,7 @@ class LocalRL:
         each task's tree budget under a learned allocation (``None``: learned from earlier trees)."""
         n = rollout_n or self.config.rollout_n
         estimator = estimator or self.config.estimator
+        self.client.forget()  # the cached keys and values are of the weights before the last update
         config = self.bpo.for_estimator(estimator)
         policy = self.policies.setdefault(estimator, ForkPolicy(config))
 
