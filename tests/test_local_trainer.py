@@ -142,6 +142,7 @@ def test_the_event_loop_runs_while_a_wave_generates():
 def test_training_log_probs_match_the_rollout_on_generated_tokens(model_dir):
     trainer = make_trainer(model_dir)
     results = trainer.rollout([{"task_id": 0}, {"task_id": 1}])
+    assert trainer.client.cache.hits > 0  # later turns and forks extend cached sequences
     leaves = [leaf for r in results for leaf in r.leaves]
     assert len(leaves) == 4 * 2 and len({leaf.meta.tree_id for leaf in leaves}) == 2
     length = max(len(leaf.transcript.response_mask) for leaf in leaves)
