@@ -27,6 +27,14 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
+def _teacher_forced(model, prompt, token_ids):
+    """The log-probabilities of ``token_ids`` after ``prompt`` from one full forward of the whole sequence."""
+    ids = torch.tensor([prompt + token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    return logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1).numpy()
+
+
 def make_trainer(model_dir, estimator="bpo", **kw):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -50,18 +58,7 @@ def test_concurrent_requests_become_one_batched_generate_with_teacher_forced_log
     assert client.calls == 1
     for prompt, out in zip(prompts, outputs):
         assert 1 <= len(out.token_ids) <= 6 and len(out.log_probs) == len(out.token_ids)
-        ids = torch.tensor([prompt + out.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(trainer.model(ids).logits[0, :-1].float(), -1)
-        expected = logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
-        np.testing.assert_allclose(out.log_probs, expected.numpy(), atol=2e-4)
-
-
-def _teacher_forced(model, prompt, token_ids):
-    ids = torch.tensor([prompt + token_ids])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-    return logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1).numpy()
+        np.testing.assert_allclose(out.log_probs, _teacher_forced(trainer.model, prompt, out.token_ids), atol=2e-4)
 
 
 @pytest.mark.slow

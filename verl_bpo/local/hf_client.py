@@ -201,7 +201,6 @@ class BatchedHFClient:
         (recomputing any cached ones among them) and takes the positions before from its cached prefix, left-padded
         with zeros that the attention mask hides. Positions come from the mask, as without a cache, so the keys
         cached with their rotary positions line up."""
-        import torch
         from transformers import DynamicCache
 
         if not self.cache.max_tokens:

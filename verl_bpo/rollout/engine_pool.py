@@ -139,7 +139,7 @@ class EngineProcess:
         self.workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
         # removed by the reader once the process has exited, or at this process's exit when the reader (a daemon)
         # does not get to it: a finalizer runs once
-        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)
+        self._workdir_finalizer = weakref.finalize(self, shutil.rmtree, self.workdir, True)
         path = [os.path.abspath(p) for p in sys.path]  # "" meant this process's directory, not the engine's
         code = (f"import sys; sys.path[:0] = {path!r}; "
                 f"from verl_bpo.rollout.engine_pool import serve; serve({theirs.fileno()}, {self.workdir!r})")
@@ -245,7 +245,7 @@ class EngineProcess:
                 value, error = rest
                 call.finish(self._incoming(value), error)
         code = self.proc.wait()
-        self._remove_workdir()
+        self._workdir_finalizer()
         self.stop(SandboxCrashed(f"{self.name} exited with code {code}"))
         self._conn.close()
         self._sock.close()
