@@ -35,8 +35,8 @@ target in at most ``QUALIFY_MAX_RATIO`` = 0.75× RLOO's updates **and** the uppe
 1.0 (:func:`qualification`: the ratio of the seeds' mean updates to target, paired bootstrap over seeds, a censored
 seed counted as updates + ``--eval-every``). Near 1, progress per update is bounded by the optimizer's step, not by
 gradient noise, and no estimator with less variance could take fewer updates. RLOO's batch signal-to-noise at seed
-0's warm start (``‖E ĝ‖² / tr Cov ĝ``) is reported beside it. The verdict is printed before GRPO and BPO train; the
-targets apply only to qualified tasks, and tasks that fail the rule are reported too.
+0's warm start (``‖E ĝ‖² / tr Cov ĝ``) is reported beside it, with its CI95. The verdict is printed before GRPO and
+BPO train; the targets apply only to qualified tasks, and tasks that fail the rule are reported too.
 
 Measured, per task, seed and estimator:
 
@@ -59,7 +59,8 @@ Measured, per task, seed and estimator:
   train) and ``packed`` (each tree as one row of its unique tokens, ``bpo.packed``; a flat group packs to its
   shared prompt plus every response).
 
-95% confidence intervals: paired bootstrap over seeds (learning), bootstrap over draws (variance).
+95% confidence intervals: paired bootstrap over seeds (learning), bootstrap over draws (variance and
+signal-to-noise).
 
     python benchmarks/learning.py [--tasks ...] [--seeds 6] [--updates N] [--match grpo] [--warm-starts per-seed]
                                    [--out runs/learning]
@@ -71,11 +72,12 @@ saved it trains only the seeds the save lacks and saves them all (a control grow
 
 Last line: one JSON object with, per task prefix (``<task>_``): ``qualified`` (true/false, the rule above),
 ``snr_rloo``, ``updates_to_target_rloo_2n_over_rloo``, ``final_success_rloo_2n_minus_rloo``, ``qualification`` (the
-rule, the ratio, its CI and the seeds' updates), ``updates_to_target_bpo_over_grpo``,
-``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``, ``final_success_bpo_minus_rloo``,
-``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``), ``grad_var_bpo_over_rloo``, their ``ci95``, ``per_update``
-costs and pre-clip gradient norm per estimator, ``wall_s_per_run`` (per estimator, each seed's run: its updates and
-held-out evaluations, two runs at a time), ``curves`` (each seed's held-out success at ``curve_updates``),
+rule, the ratio, its CI, the seeds' updates, and RLOO's signal-to-noise with its CI95 ``snr_rloo_ci95``),
+``updates_to_target_bpo_over_grpo``, ``tokens_to_target_bpo_over_grpo``, ``final_success_bpo_minus_grpo``,
+``final_success_bpo_minus_rloo``, ``success_at_matched_tokens_bpo_minus_grpo`` (and ``_rloo``),
+``grad_var_bpo_over_rloo``, their ``ci95``, ``per_update`` costs and pre-clip gradient norm per estimator,
+``wall_s_per_run`` (per estimator, each seed's run: its updates and held-out evaluations, two runs at a time),
+``curves`` (each seed's held-out success at ``curve_updates``),
 ``fallen_seeds`` (per estimator, the runs that fell to no success after a warm start that had some; they stay in every
 figure, see ``fallen``), and ``targets``: on a qualified task each target with its value and ``met``, otherwise ``"not
 applicable: task not noise-limited"``. Targets (the paper's): on late-decision forms (``late``, ``hard_late``,
@@ -224,9 +226,13 @@ def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: 
 
 
 def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, warmup: int,
-                   tree: dict) -> tuple[np.ndarray, float]:
-    """The Gram matrix of ``draws`` batch gradients at the warm-start policy, and the mean tokens per batch."""
-    rl = trainer(model_dir, task, estimator, 0, tree)
+                   tree: dict, seed: int = 0, cache: bool = True) -> tuple[np.ndarray, float]:
+    """The Gram matrix of ``draws`` batch gradients at the warm-start policy, and the mean tokens per batch.
+    ``seed`` seeds the draws' trees (the same seed draws the same batches); ``cache``: the
+    client's prefix cache on (off: every turn prefills its whole chat)."""
+    rl = trainer(model_dir, task, estimator, seed, tree)
+    if not cache:
+        rl.client.cache.max_tokens = 0
     tasks = task.tasks(task.train_ids)[:task.batch]
     rows, tokens = [], []
     for d in range(warmup + draws):
@@ -250,12 +256,16 @@ def trace_cov(gram: np.ndarray, idx: np.ndarray | None = None) -> float:
     return (float(np.trace(sub)) - float(sub.sum()) / n) / (n - 1)
 
 
-def signal_to_noise(gram: np.ndarray) -> float:
+def signal_to_noise(gram: np.ndarray, idx: np.ndarray | None = None) -> float:
     """‖E ĝ‖² / tr Cov(ĝ) of one batch gradient, from the draws' Gram matrix (‖E ĝ‖² estimated without bias by the
-    mean inner product of distinct draws): below 1, a batch's noise outweighs its signal."""
-    n = len(gram)
-    mean_sq = (float(gram.sum()) - float(np.trace(gram))) / (n * (n - 1))
-    return mean_sq / trace_cov(gram)
+    mean inner product of distinct draws): below 1, a batch's noise outweighs its signal. ``idx``: a resample of
+    the draws (bootstrap), whose pairs of one draw with itself do not count as distinct."""
+    idx = np.arange(len(gram)) if idx is None else np.asarray(idx)
+    distinct = idx[:, None] != idx[None, :]
+    if not distinct.any():
+        return float("nan")
+    mean_sq = float(gram[np.ix_(idx, idx)][distinct].mean())
+    return mean_sq / trace_cov(gram, idx)
 
 
 def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> list[float]:
@@ -285,11 +295,12 @@ def updates_to_target(run: dict, target: float, censored: int) -> int:
     return next((u for u, s in run["curve"] if s >= target), censored)
 
 
-def qualification(reach_control, reach_rloo, snr_rloo: float | None = None) -> dict:
+def qualification(reach_control, reach_rloo, gram_rloo: np.ndarray | None = None) -> dict:
     """The qualification rule (module docstring), from the control alone: per seed (paired by index), the updates
     to target of RLOO with 2N rollouts and of RLOO (censored seeds already counted as updates + eval_every).
     Qualified when ``mean(2N) / mean(RLOO) <= QUALIFY_MAX_RATIO`` and the upper end of its paired-bootstrap CI95 is
-    below 1.0."""
+    below 1.0. ``gram_rloo``: the Gram matrix of RLOO's warm-start batch gradients, for the signal-to-noise
+    reported beside the verdict (with its CI95, bootstrap over draws)."""
     reach_control, reach_rloo = np.asarray(reach_control, dtype=float), np.asarray(reach_rloo, dtype=float)
     if reach_control.shape != reach_rloo.shape or reach_rloo.ndim != 1 or not len(reach_rloo):
         raise ValueError("qualification needs the same seeds, at least one, for RLOO-2N and RLOO")
@@ -297,10 +308,12 @@ def qualification(reach_control, reach_rloo, snr_rloo: float | None = None) -> d
     ratio = stat(np.arange(len(reach_rloo)))
     ci = bootstrap(stat, len(reach_rloo))
     qualified = bool(ratio <= QUALIFY_MAX_RATIO and ci[1] < 1.0)  # NaN (RLOO at the target from the start): False
+    snr = None if gram_rloo is None else round(signal_to_noise(gram_rloo), 4)
+    snr_ci = None if gram_rloo is None else bootstrap(lambda i: signal_to_noise(gram_rloo, i), len(gram_rloo))
     return {"qualified": qualified, "rule": QUALIFY_RULE, "max_ratio": QUALIFY_MAX_RATIO,
             "updates_to_target_rloo_2n_over_rloo": round(ratio, 4), "ci95": ci,
             "updates_to_target": {CONTROL: [int(u) for u in reach_control], "rloo": [int(u) for u in reach_rloo]},
-            "snr_rloo": None if snr_rloo is None else round(float(snr_rloo), 4)}
+            "snr_rloo": snr, "snr_rloo_ci95": snr_ci}
 
 
 def evaluate_targets(name: str, stats: dict, qualified: bool) -> dict | str:
@@ -377,8 +390,7 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
     draws = len(gram_b)
     if len(gram_r) != draws:
         raise ValueError("the BPO and RLOO gradient draws must be as many (their variance ratio resamples both)")
-    snr_rloo = signal_to_noise(gram_r)
-    qual = qualification(reach[CONTROL], reach["rloo"], snr_rloo)
+    qual = qualification(reach[CONTROL], reach["rloo"], gram_r)
 
     def var_ratio(i: np.ndarray) -> float:
         den = trace_cov(gram_r, i) * tok_r
@@ -406,6 +418,7 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
         **stats,
         "ci95": {**{k: bootstrap(stat, n) for k, stat in paired.items()},
                  "grad_var_bpo_over_rloo": bootstrap(var_ratio, draws),
+                 "snr_rloo": qual["snr_rloo_ci95"],
                  "updates_to_target_rloo_2n_over_rloo": qual["ci95"]},
         "qualification": qual,
         "targets": evaluate_targets(name, stats, qual["qualified"]),
@@ -427,7 +440,7 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
         "grad_norm_per_update": {e: round(float(np.mean([s["grad_norm"] for r in runs[e] for s in r["steps"]])), 4)
                                  for e in runs},
         "grad_tokens_per_batch": {"bpo": round(tok_b, 1), "rloo": round(tok_r, 1)},
-        "grad_signal_to_noise": {"bpo": round(signal_to_noise(gram_b), 4), "rloo": round(snr_rloo, 4)},
+        "grad_signal_to_noise": {"bpo": round(signal_to_noise(gram_b), 4), "rloo": qual["snr_rloo"]},
     }
 
 
@@ -583,10 +596,11 @@ def main() -> None:
         censored = updates + args.eval_every
         qual = qualification([updates_to_target(r, task.target, censored) for r in runs[CONTROL]],
                              [updates_to_target(r, task.target, censored) for r in runs["rloo"]],
-                             signal_to_noise(grads["rloo"][0]))
+                             grads["rloo"][0])
         lo, hi = qual["ci95"]
         print(f"{name}: qualified={str(qual['qualified']).lower()} (RLOO-2N/RLOO updates to target "
-              f"{qual['updates_to_target_rloo_2n_over_rloo']:.3f}, CI95 [{lo}, {hi}]; RLOO SNR {qual['snr_rloo']:.3g})"
+              f"{qual['updates_to_target_rloo_2n_over_rloo']:.3f}, CI95 [{lo}, {hi}]; RLOO SNR {qual['snr_rloo']:.3g}, "
+              f"CI95 {qual['snr_rloo_ci95']})"
               f" — rule: {QUALIFY_RULE}", flush=True)
         if args.control_only:
             result.update({f"{name}_{k}": v for k, v in qual.items()})

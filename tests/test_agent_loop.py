@@ -46,10 +46,11 @@ class FakeServer:
 
     def __init__(self, tokenizer, seed=0):
         self.tokenizer, self.rng = tokenizer, random.Random(seed)
-        self.request_ids = []
+        self.request_ids, self.seeds = [], []  # seeds: each request's sampling seed (None: unseeded)
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
         self.request_ids.append(request_id)
+        self.seeds.append(sampling_params.get("seed"))
         action = self.rng.choice(["east", "west", "take key", "open door"])
         ids = self.tokenizer.encode(action) + [self.tokenizer.eos_token_id]
         return TokenOutput(ids, [math.log(0.25) / len(ids)] * len(ids))

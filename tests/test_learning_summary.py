@@ -107,11 +107,13 @@ def test_a_step_bound_task_does_not_qualify_and_its_targets_do_not_apply():
 def test_borderline_ratio_with_an_upper_ci_at_or_above_one_does_not_qualify():
     # Mean 44/6 against 10: 0.733 <= 0.75, but one seed much slower makes the ratio uncertain: resamples that draw
     # that seed 3 times of 6 give (2 + 32 * 3 / 6) / 10 = 1.8, which the bootstrap's 97.5th percentile reaches.
-    q = learning.qualification([2, 2, 2, 2, 2, 34], [10] * 6, snr_rloo=0.5)
+    draws = np.random.default_rng(0).standard_normal((16, 50)) + 0.3
+    q = learning.qualification([2, 2, 2, 2, 2, 34], [10] * 6, draws @ draws.T)
     assert q["updates_to_target_rloo_2n_over_rloo"] == pytest.approx(44 / 60, abs=1e-4)
     assert q["ci95"] == [0.2, 1.8]
     assert q["qualified"] is False
-    assert q["snr_rloo"] == 0.5
+    assert q["snr_rloo"] == round(learning.signal_to_noise(draws @ draws.T), 4)
+    assert q["snr_rloo_ci95"][0] < q["snr_rloo"] < q["snr_rloo_ci95"][1]
     # the same seeds without the slow one qualify; at exactly the bound with no spread too
     assert learning.qualification([2] * 6, [10] * 6)["qualified"] is True
     assert learning.qualification([6] * 6, [8] * 6)["qualified"] is True  # 0.75 <= 0.75, CI [0.75, 0.75]
@@ -165,6 +167,19 @@ def test_tokens_to_target_and_success_at_matched_tokens():
     assert out["tokens_to_target_bpo_over_grpo"] == 0.45
 
 
+def test_signal_to_noise_ci95_covers_the_truth_and_counts_no_draw_against_itself():
+    """Bootstrap over draws: a resample repeats draws, and a repeated draw paired with itself is not two draws
+    (counted as two, pure noise reads about 1/64 here, and the CI excludes its true 0)."""
+    rng = np.random.default_rng(3)
+    noise = rng.standard_normal((64, 4000))
+    lo, hi = learning.bootstrap(lambda i: learning.signal_to_noise(noise @ noise.T, i), 64)
+    assert lo < 0 < hi < 0.005
+    signal = rng.standard_normal((64, 4000)) + 0.2  # ‖E ĝ‖² / tr Cov = 4000 · 0.04 / 4000
+    lo, hi = learning.bootstrap(lambda i: learning.signal_to_noise(signal @ signal.T, i), 64)
+    assert lo < 0.04 < hi
+    assert np.isnan(learning.signal_to_noise(noise @ noise.T, np.zeros(64, dtype=int)))
+
+
 def test_gradient_variance_ratio_and_signal_to_noise_match_numpy():
     rng = np.random.default_rng(7)
     g_b = rng.standard_normal((24, 40)) * 0.5 + 0.3
@@ -181,6 +196,8 @@ def test_gradient_variance_ratio_and_signal_to_noise_match_numpy():
 
     assert out["snr_rloo"] == pytest.approx(snr(g_r), abs=1e-4)
     assert out["qualification"]["snr_rloo"] == out["snr_rloo"]
+    lo, hi = out["ci95"]["snr_rloo"]
+    assert lo < out["snr_rloo"] < hi
     assert out["grad_signal_to_noise"]["bpo"] == pytest.approx(snr(g_b), abs=1e-4)
     # few draws: resamples that repeat one draw have no variance; they are left out of the CI, not a crash
     few = summarize("hard_late", noise_limited_runs(), {"bpo": (g_b[:3] @ g_b[:3].T, 1.0),

@@ -100,6 +100,77 @@ def test_the_prefix_cache_finds_the_longest_strict_prefix_and_evicts_the_least_r
     assert PrefixCache(max_tokens=0).longest([1, 2]) == (0, None)
 
 
+def test_each_row_samples_from_its_own_generator_with_the_tempered_probabilities():
+    """The client's sampling step on fixed logits: 4000 seeds, one draw each, against softmax(logits / T). A
+    chi-square test at p = 0.001 accepts the right distribution and must reject the untempered one (the negative
+    control: at these frequencies its statistic's expected value is about 390, far past the 0.001 cut of 18.5 for
+    4 degrees of freedom, so the control fails with probability well under 1e-6)."""
+    from verl_bpo.local.hf_client import _RowSampler
+
+    def chi_square(counts, probs):
+        return float(((counts - probs * draws) ** 2 / (probs * draws)).sum())
+
+    logits, temperature, draws = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]), 0.7, 4000
+    counts = np.zeros(5)
+    for start in range(0, draws, 500):  # batches of 500 rows: each row's draw is its seed's alone
+        only = _RowSampler(range(start, start + 500), temperature)(None, logits.repeat(500, 1))
+        assert bool((torch.isfinite(only).sum(-1) == 1).all())
+        counts += np.bincount(only.argmax(-1).numpy(), minlength=5)
+    right = torch.softmax(logits / temperature, -1).numpy()
+    untempered = torch.softmax(logits, -1).numpy()
+    cut = 18.47  # chi-square's 0.999 quantile, 4 degrees of freedom
+    assert chi_square(counts, right) < cut and chi_square(counts, untempered) > cut
+    row = _RowSampler([7], temperature)(None, logits[None])
+    again = _RowSampler([99, 7], temperature)(None, logits.repeat(2, 1))
+    assert torch.equal(row[0], again[1])  # a seed's draw does not depend on its row or its batch
+
+
+@pytest.mark.slow
+def test_a_seeded_request_samples_the_same_turn_alone_or_in_any_batch(model_dir):
+    trainer = make_trainer(model_dir)
+    client, tokenizer = trainer.client, trainer.tokenizer
+    client.cache = PrefixCache(0)  # every request prefills its whole prompt, in every batch
+    prompts = [tokenizer(f"room {i} " * (i + 1))["input_ids"] for i in range(4)]
+
+    def sample(requests):
+        async def generate_all():
+            return await asyncio.gather(*(client.generate("r", prompt_ids=prompts[i], sampling_params={
+                "max_tokens": 6, "seed": seed}) for i, seed in requests))
+        return [out.token_ids for out in asyncio.run(generate_all())]
+
+    alone = sample([(0, 11)])[0]
+    assert sample([(2, 5), (0, 11), (3, 8)])[1] == alone  # other rows, other padding: the same draw
+    assert sample([(1, 1), (0, 11)])[1] == alone
+    assert len({tuple(t) for t in sample([(0, s) for s in range(8)])}) > 1  # other seeds, other turns
+
+
+@pytest.mark.slow
+def test_a_flat_group_is_the_same_whenever_its_sandboxes_answer(model_dir, monkeypatch):
+    """Sandboxes that answer after random delays (as engine processes do) change which requests share a batch;
+    each group's turns must not change with them."""
+    import random
+
+    from sandbox_adapters.smoke import SmokeSandbox
+
+    jitter = random.Random()  # unseeded: the delays differ between the two rollouts
+    step = SmokeSandbox.step
+
+    def late_step(self, action):
+        time.sleep(jitter.uniform(0.0, 0.03))
+        return step(self, action)
+
+    monkeypatch.setattr(SmokeSandbox, "step", late_step)
+    monkeypatch.setattr(SmokeSandbox, "blocking", True)  # called on threads, so delays reorder the branches
+    trainer = make_trainer(model_dir, "rloo")
+
+    def turns():
+        results = trainer.rollout([{"task_id": 0}, {"task_id": 1}])
+        return [tuple(leaf.transcript.response_ids) for r in results for leaf in r.leaves]
+
+    first = turns()
+    assert len(set(first)) > 1 and turns() == first and turns() == first
+
+
 def test_the_event_loop_runs_while_a_wave_generates():
     """Sandbox calls and their time limits live on the event loop: a long ``generate`` must not hold it (a wave
     longer than ``bpo.step_timeout_s`` fired the limits of engine calls that had already returned)."""

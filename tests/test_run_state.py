@@ -193,12 +193,15 @@ def test_sessions_that_arrive_in_any_order_still_share_one_tree(tokenizer):  # n
     assert not BPOTreeAgentLoop._trees
 
 
-@pytest.mark.parametrize("full_determinism", [False, True])
-def test_request_ids_are_unique_per_generation_where_the_engine_sees_them(tokenizer, full_determinism):  # noqa: F811
+@pytest.mark.parametrize(("full_determinism", "engine"), [(False, "vllm"), (True, "vllm"), (True, "sglang")])
+def test_request_ids_are_unique_per_generation_where_the_engine_sees_them(tokenizer, full_determinism,  # noqa: F811
+                                                                           engine):
     """verl hands the engine a fresh id per turn unless rollout.full_determinism=True, where it passes ours through
-    (concurrent requests with one id collide in the engine): then every generation gets its own id."""
+    (concurrent requests with one id collide in the engine): then every generation gets its own id, and on vLLM
+    its own sampling seed (SGLang takes none under that name)."""
     config = make_config(n=4)
     config.actor_rollout_ref.rollout.full_determinism = full_determinism
+    config.actor_rollout_ref.rollout.name = engine
     run = ForkPolicy(bpo_config(config))
     _, server = asyncio.run(grow_on_one_worker(config, tokenizer, rows(["q-0"], [1], run, 4), 4))
     if full_determinism:
@@ -206,6 +209,10 @@ def test_request_ids_are_unique_per_generation_where_the_engine_sees_them(tokeni
         assert all(r.startswith("bpo-q-0-") for r in server.request_ids)
     else:
         assert set(server.request_ids) == {"bpo-q-0"}  # sticky routing: one id per tree
+    if full_determinism and engine == "vllm":
+        assert None not in server.seeds and len(set(server.seeds)) == len(server.seeds)
+    else:
+        assert set(server.seeds) == {None}
 
 
 def test_the_metrics_log_one_profile(tokenizer):  # noqa: F811

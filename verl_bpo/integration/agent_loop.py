@@ -215,13 +215,17 @@ class BPOTreeAgentLoop(AgentLoopBase):
             policy = ForkPolicy(config)
             policy.load_state_dict(state["policy"])
         budget = where.budget if state is not None else None  # a training tree's budget from its row, if any
+        deterministic = bool(self.rollout_config.get("full_determinism", False))
         sampler = TreeSampler(
             config, rollout_n, self.rollout_config.response_length, await self._sandbox_factory(where), where.task,
             self.server_manager,
             self.make_codec(), tree_id=tree_id, sampling_params=sampling_params, policy=policy,
             # str hash() is salted per process; crc32 makes the sandbox seeds a pure function of the uid.
             seed=zlib.crc32(f"{tree_id}/{row.get('index', 0)}".encode()), root_budget=budget, task_key=where.key,
-            unique_request_ids=bool(self.rollout_config.get("full_determinism", False)),
+            unique_request_ids=deterministic,
+            # vLLM takes a per-request seed in its SamplingParams (SGLang names it otherwise): a turn's sample then
+            # depends on its branch, not on which requests the engine batched it with.
+            seeded_turns=deterministic and self.rollout_config.get("name") == "vllm",
         )
         result = await sampler.run()
         if "bpo/budget" in result.metrics:  # a budgeted (learned) plan: did its budget come from the row?

@@ -17,6 +17,11 @@ each turn spent most of a multi-turn rollout on tokens already seen (an evaluati
 its wall in ``generate``, prompts of about 580 tokens for turns of 1-6). :class:`PrefixCache` keeps each generated
 sequence's keys and values, as vLLM's prefix caching does, and a request then prefills only what its longest cached
 prefix lacks. The cache holds one policy's values: whoever changes the weights calls :meth:`BatchedHFClient.forget`.
+
+Each request samples from its own generator, seeded by its ``sampling_params["seed"]`` (the tree sampler's
+``seeded_turns``) or else by a draw from torch's global generator: with engine processes as sandboxes, which requests
+share a batch depends on when their observations came back, and one generator shared by the batch made every draw
+depend on that timing, so no rollout could be drawn twice.
 """
 
 from __future__ import annotations
@@ -44,7 +49,31 @@ class Generation:
 class _Request:
     prompt_ids: list[int]
     max_tokens: int
+    seed: int | None
     future: asyncio.Future
+
+
+class _RowSampler:
+    """A ``generate`` logits processor that draws each row's next token with the row's own generator and leaves it
+    the only finite score, so that ``generate``'s greedy step takes it. The draw is the exponential race, argmax of
+    p_i / E_i with E_i ~ Exp(1) independent, which picks token i with probability p_i = softmax(logits / T)_i: an
+    exact sample whose randomness belongs to the row, not to its batch."""
+
+    def __init__(self, seeds: Sequence[int], temperature: float) -> None:
+        import torch
+
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.temperature = temperature
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        logits = scores.float() / self.temperature
+        race = torch.stack([torch.empty(scores.shape[-1]).exponential_(generator=g) for g in self.generators])
+        choice = (logits - race.log()).argmax(-1)
+        only = torch.full_like(scores, float("-inf"))
+        only[torch.arange(len(choice)), choice] = 0.0
+        return only
 
 
 class PrefixCache:
@@ -126,7 +155,9 @@ class BatchedHFClient:
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(list(prompt_ids), int(sampling_params.get("max_tokens", 16)), future))
+        seed = sampling_params.get("seed")
+        self._pending.append(_Request(list(prompt_ids), int(sampling_params.get("max_tokens", 16)),
+                                      None if seed is None else int(seed), future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush())
         return await future
@@ -171,16 +202,18 @@ class BatchedHFClient:
             ids[row, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
             attention[row, width - len(request.prompt_ids):] = 1
         past = self._cached_past(batch, width)
+        seeds = [int(torch.randint(2**31, ())) if r.seed is None else r.seed for r in batch]
         was_training = self.model.training
         self.model.eval()
-        with torch.no_grad():
-            out = self.model.generate(ids, attention_mask=attention, do_sample=True, temperature=self.temperature,
-                                      top_k=0, top_p=1.0, max_new_tokens=max(r.max_tokens for r in batch),
-                                      output_scores=True, return_dict_in_generate=True, pad_token_id=pad,
-                                      past_key_values=past, use_cache=True)
+        with torch.no_grad():  # the sampling is _RowSampler's: generate's own (greedy) step takes its draws
+            out = self.model.generate(ids, attention_mask=attention, do_sample=False,
+                                      logits_processor=[_RowSampler(seeds, self.temperature)],
+                                      max_new_tokens=max(r.max_tokens for r in batch), output_logits=True,
+                                      return_dict_in_generate=True, pad_token_id=pad, past_key_values=past,
+                                      use_cache=True)
         self.model.train(was_training)
         new = out.sequences[:, width:]
-        log_probs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)  # (batch, new, vocab)
+        log_probs = torch.stack([torch.log_softmax(s.float() / self.temperature, -1) for s in out.logits], 1)
         picked = log_probs.gather(-1, new.unsqueeze(-1)).squeeze(-1)
         results = []
         for row, request in enumerate(batch):

@@ -17,6 +17,11 @@ and replaces only the serving and sharding machinery:
   updated with one AdamW step per batch on one process instead of FSDP. That is what verl does with one PPO epoch
   and one mini-batch per step (the ratio is 1 on-policy, so clipping never binds).
 
+Rollouts are reproducible: every tree's seed is a function of the run's seed, the update, the tree's place in the
+batch and whether it trains or evaluates, and its turns are sampled with seeds derived from it (the sampler's
+``seeded_turns``), so a flat group is the same whenever its sandboxes answer. Runs of different estimators on one
+seed share their draws where their policies agree (common random numbers: at the warm start, the same rollouts).
+
 The CPU demo (``python -m verl_bpo.demo``) runs the same comparison through verl's real trainer, on one seed.
 """
 
@@ -37,7 +42,7 @@ from verl_bpo.integration.actor_loss import actor_loss
 from verl_bpo.integration.batch_layout import rows_per_tree
 from verl_bpo.local.hf_client import BatchedHFClient, TemplateCodec
 from verl_bpo.rollout.sampler import TreeSampler
-from verl_bpo.rollout.tree_state import Leaf, TreeResult
+from verl_bpo.rollout.tree_state import Leaf, TreeResult, derive_seed
 
 __all__ = ["LocalRLConfig", "LocalRL", "StepStats", "trained_tokens"]
 
@@ -125,9 +130,11 @@ class LocalRL:
 
     # --- rollout ------------------------------------------------------------------------------------------------
     def rollout(self, tasks: Sequence[Mapping[str, Any]], rollout_n: int | None = None,
-                estimator: str | None = None, budgets: Sequence[float] | None = None) -> list[TreeResult]:
+                estimator: str | None = None, budgets: Sequence[float] | None = None,
+                stream: str = "train") -> list[TreeResult]:
         """One tree (or flat group) per task, all grown concurrently so their turns batch together. ``budgets``:
-        each task's tree budget under a learned allocation (``None``: learned from earlier trees)."""
+        each task's tree budget under a learned allocation (``None``: learned from earlier trees). ``stream``
+        names the purpose the trees' seeds are drawn for, so that evaluation never replays a training draw."""
         n = rollout_n or self.config.rollout_n
         estimator = estimator or self.config.estimator
         self.client.forget()  # the cached keys and values are of the weights before the last update
@@ -139,8 +146,8 @@ class LocalRL:
                 TreeSampler(config, n, self.config.response_length,
                             lambda: make_sandbox(self.sandbox, self.sandbox_config), task, self.client, self.codec,
                             tree_id=f"s{self.seed}-u{self.updates}-t{i}", policy=policy,
-                            seed=hash((self.seed, self.updates, i)) % 2**31,
-                            root_budget=None if budgets is None else budgets[i])
+                            seed=derive_seed(self.seed, stream, self.updates, i),
+                            root_budget=None if budgets is None else budgets[i], seeded_turns=True)
                 for i, task in enumerate(tasks)
             ]
             return list(await asyncio.gather(*(s.run() for s in samplers)))
@@ -149,7 +156,7 @@ class LocalRL:
 
     def evaluate(self, tasks: Sequence[Mapping[str, Any]], episodes_per_task: int = 2) -> float:
         """Success rate of independent sampled episodes (flat groups) on ``tasks``."""
-        results = self.rollout(tasks, rollout_n=episodes_per_task, estimator="grpo")
+        results = self.rollout(tasks, rollout_n=episodes_per_task, estimator="grpo", stream="eval")
         return float(np.mean([r.metrics["bpo/success_rate"] for r in results]))
 
     # --- update -------------------------------------------------------------------------------------------------

@@ -21,6 +21,12 @@ the fixed rule's ``topB_wave`` selector, which ranks the candidates of a whole w
 
 When the tree is done the policy learns from it (the profile of a learned allocation).
 
+Randomness is per branch: each branch carries its own seed (the root's from the tree's, each fork's children's
+from their parent's), and its sandboxes' re-seeding (and, with ``seeded_turns``, its turns' sampling seeds) derive
+from it and its depth, never from one generator that concurrent branches draw from in whatever order their sandboxes
+and the server answer. A flat group is then the same whatever the latencies; a learned tree's widths and budget
+shares still follow the order in which its branches reach their nodes.
+
 One request id per tree gives the LLM server sticky routing, so siblings hit the same prefix cache. A sandbox step
 that crashes or hangs past ``bpo.step_timeout_s`` is retried (``bpo.step_retries`` times) on a fresh sandbox rebuilt
 at the state before it, re-seeded, with the same action text, so a transient fault leaves the path distributed as
@@ -49,7 +55,7 @@ from verl_bpo.rollout.metrics import tree_metrics
 from verl_bpo.rollout.protocols import ChatCodec, LLMClient, Transcript
 from verl_bpo.rollout.sandbox_calls import SandboxCalls
 from verl_bpo.rollout.scoring import ForkScorer, mean_surprisal
-from verl_bpo.rollout.tree_state import Anchor, Branch, TreeResult, TreeState
+from verl_bpo.rollout.tree_state import Anchor, Branch, TreeResult, TreeState, derive_seed
 
 __all__ = ["TreeSampler"]
 
@@ -86,7 +92,7 @@ class TreeSampler:
         tree_id: verl's uid of the task.
         sampling_params: passed to every generation (``max_tokens`` is set per turn).
         policy: the worker's :class:`ForkPolicy` (learns across trees); a fresh one when omitted.
-        seed: seeds the sandboxes' re-seeding at forks.
+        seed: the tree's seed: its plan's draws and its root branch's seed (module docstring) derive from it.
         root_budget: what the tree may spend under a learned allocation, in ``bpo.learned.budget_unit``
             (:meth:`ForkPolicy.start_tree`); ``None``: N flat rollouts' worth, learned from earlier trees.
         task_key: names the task for the policy (its per-task episode cost); ``None``: not tracked.
@@ -94,6 +100,10 @@ class TreeSampler:
             Needed where the client hands the id to the engine unchanged (verl with
             ``rollout.full_determinism=True``), since concurrent requests with one id collide there; routing then
             follows each id (verl hashes it) instead of sticking to one server.
+        seeded_turns: give every generation a ``seed`` in its sampling parameters, derived from its branch's seed
+            and depth, so that a turn's sample depends on neither the batch the server put it in nor the order in
+            which concurrent branches asked (for engines that honor per-request seeds: vLLM, the in-process
+            :class:`~verl_bpo.local.hf_client.BatchedHFClient`).
     """
 
     RESET_ATTEMPTS = 2  # a reset that fails twice on fresh sandboxes is not transient: the tree becomes failed leaves
@@ -102,7 +112,7 @@ class TreeSampler:
                  task: Mapping[str, Any], llm: LLMClient, codec: ChatCodec, *, tree_id: str,
                  sampling_params: Mapping[str, Any] | None = None, policy: ForkPolicy | None = None,
                  seed: int = 0, root_budget: float | None = None, task_key: str | None = None,
-                 unique_request_ids: bool = False) -> None:
+                 unique_request_ids: bool = False, seeded_turns: bool = False) -> None:
         self.config = config
         self.rollout_n = rollout_n
         self.response_length = response_length
@@ -111,20 +121,23 @@ class TreeSampler:
         self.llm, self.codec = llm, codec
         self.request_id = f"bpo-{tree_id}"  # one id per tree: sticky routing to one server's prefix cache
         self.unique_request_ids = unique_request_ids
+        self.seeded_turns = seeded_turns
         self.generations = 0
         self.sampling_params = dict(sampling_params or {})
         self.policy = policy if policy is not None else ForkPolicy(config)
         self.tree = TreeState(tree_id)
-        self.scorer = ForkScorer(config, llm, self.next_request_id, self.sampling_params, self.tree)
+        self.scorer = ForkScorer(config, llm, self.next_request_id, self.turn_params, self.tree)
         self.calls = SandboxCalls(config.step_timeout_s)
-        self.rng = random.Random(seed)
+        self.seed = seed
         self.root_budget = root_budget
         self.task_key = task_key
 
     # --- the tree, top to bottom --------------------------------------------------------------------------------
     async def run(self) -> TreeResult:
-        self.plan = plan = self.policy.start_tree(self.rollout_n, seed=self.rng.randrange(2**31),
+        rng = random.Random(self.seed)
+        self.plan = plan = self.policy.start_tree(self.rollout_n, seed=rng.randrange(2**31),
                                                   root_budget=self.root_budget, task_key=self.task_key)
+        self.root_seed = rng.randrange(2**31)
         start = time.perf_counter()
         try:
             started = await self._start_episode()
@@ -232,7 +245,7 @@ class TreeSampler:
                 observation = await self.calls("reset", box, "reset", self.task)
                 # The root's own randomness is the tree's, as every child's is (restore re-seeds them): a reset
                 # seed alone would give every tree of a task the same transitions on its first branch.
-                await self.calls("reset", box, "reseed", self.rng.randrange(2**31))
+                await self.calls("reset", box, "reseed", derive_seed(self.root_seed, "reset"))
                 return box, observation
             except Exception as exc:
                 logger.warning("tree %s: sandbox reset failed: %r", self.tree.tree_id, exc)
@@ -244,7 +257,7 @@ class TreeSampler:
         messages = box.opening_chat(observation)
         prompt_ids = await self.codec.start(messages)
         return Branch(0, box, Transcript(messages, list(prompt_ids), len(prompt_ids)), [0], [], 1.0,
-                      budget=self.plan.budget.root_budget)
+                      seed=self.root_seed, budget=self.plan.budget.root_budget)
 
     async def _unstarted_tree(self, unstarted: _Unstarted) -> TreeResult:
         """N failed leaves when the episode never started, so verl's uid group stays whole (a group with no
@@ -298,8 +311,9 @@ class TreeSampler:
             return []
         siblings, seeds, box = [], [], None
         try:
-            for _ in range(children - 1):
-                box, seed = None, self.rng.randrange(2**31)
+            for child in range(1, children):
+                box, child_seed = None, derive_seed(branch.seed, "child", branch.depth, child)
+                seed = derive_seed(child_seed, "restore")
                 try:
                     box = self.make_sandbox()
                     await self.calls("restore", box, "restore", snapshot, seed)
@@ -309,7 +323,7 @@ class TreeSampler:
                         await self.calls.close(box)
                     box = None
                     continue
-                siblings.append(branch.copy_into(box))
+                siblings.append(branch.copy_into(box, child_seed))
                 seeds.append(seed)
                 box = None
         except BaseException:  # cancelled mid-fork: nothing restored so far may outlive the tree
@@ -330,10 +344,18 @@ class TreeSampler:
                 b.mass, b.forks, b.since_fork = mass, forks, 0
         return siblings
 
+    def turn_params(self, branch: Branch, purpose: str, max_tokens: int) -> dict[str, Any]:
+        """The sampling parameters of a generation ``branch`` makes at its depth for ``purpose`` (its turn, a
+        probe): with ``seeded_turns``, a seed of their own."""
+        params = {**self.sampling_params, "max_tokens": max_tokens}
+        if self.seeded_turns:
+            params["seed"] = derive_seed(branch.seed, purpose, branch.depth)
+        return params
+
     async def _generate(self, branch: Branch) -> tuple[list[int], list[float]]:
         room = self.response_length - len(branch.transcript.response_mask)
         cap = room if self.config.max_tokens_per_turn is None else min(room, self.config.max_tokens_per_turn)
-        params = {**self.sampling_params, "max_tokens": max(cap, 1)}
+        params = self.turn_params(branch, "turn", max(cap, 1))
         start = time.perf_counter()
         out = await self.llm.generate(self.next_request_id(), prompt_ids=branch.transcript.token_ids,
                                       sampling_params=params)
@@ -396,11 +418,11 @@ class TreeSampler:
             branch.replay.append((None, text))
             return result
         retries = self.config.step_retries if branch.anchor is not None else 0  # no anchor: nothing to rebuild
-        for _ in range(retries):
+        for attempt in range(retries):
             logger.info("tree %s: retrying a failed step on a rebuilt sandbox: %r", self.tree.tree_id, error)
             self.tree.step_retries += 1
             try:
-                return await self._retry_step(branch, text)
+                return await self._retry_step(branch, text, derive_seed(branch.seed, "retry", branch.depth, attempt))
             except Exception as exc:
                 error = exc
         raise error
@@ -428,10 +450,10 @@ class TreeSampler:
             return
         branch.hold(Anchor(snapshot))
 
-    async def _retry_step(self, branch: Branch, text: str) -> StepResult:
-        """One retry: a fresh sandbox rebuilt from the branch's anchor, re-seeded and stepped with ``text``. It
-        replaces the branch's sandbox when the step succeeds, and is closed when anything fails."""
-        seed, box = self.rng.randrange(2**31), self.make_sandbox()
+    async def _retry_step(self, branch: Branch, text: str, seed: int) -> StepResult:
+        """One retry: a fresh sandbox rebuilt from the branch's anchor, re-seeded with ``seed`` and stepped with
+        ``text``. It replaces the branch's sandbox when the step succeeds, and is closed when anything fails."""
+        box = self.make_sandbox()
         try:
             await self.calls("recover", box, "restore", branch.anchor.snapshot, branch.anchor_seed)
             for reseed, action in branch.replay:

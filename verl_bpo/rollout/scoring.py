@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from verl_bpo.core.config import BPOConfig
@@ -31,8 +31,7 @@ class ForkScorer:
     the tree's prefix cache)."""
 
     def __init__(self, config: BPOConfig, llm: LLMClient, request_id: Callable[[], str],
-                 sampling_params: Mapping[str, Any],
-                 tree: TreeState) -> None:
+                 params: Callable[[Branch, str, int], dict[str, Any]], tree: TreeState) -> None:
         if config.fixed.score == "next_token_entropy" and not hasattr(llm, "next_token_entropy"):
             raise ValueError(
                 "bpo.fixed.score=next_token_entropy needs an LLM client that returns the full next-token "
@@ -40,7 +39,7 @@ class ForkScorer:
                 "bpo.fixed.score=probe_surprisal or parent_turn_surprisal."
             )
         self.config, self.llm, self.request_id = config, llm, request_id
-        self.sampling_params = dict(sampling_params)
+        self.params = params  # a probe's sampling parameters: (branch, purpose, max_tokens) -> parameters
         self.tree = tree  # probes are generated tokens too: rollout compute the tree spent
 
     async def __call__(self, branch: Branch, view: NodeView) -> float:
@@ -50,7 +49,7 @@ class ForkScorer:
         if score == "parent_turn_surprisal":
             return float(view.parent_turn_surprisal or 0.0)
         if score == "probe_surprisal":
-            params = {**self.sampling_params, "max_tokens": self.config.fixed.probe_tokens}
+            params = self.params(branch, "probe", self.config.fixed.probe_tokens)
             out = await self.llm.generate(self.request_id(), prompt_ids=list(view.history), sampling_params=params)
             self.tree.generated_tokens += len(out.token_ids)
             return mean_surprisal(out.log_probs or [])

@@ -9,6 +9,7 @@ included, then samples a fresh turn. A finished branch is a *leaf*: its transcri
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 from typing import Any
@@ -19,7 +20,18 @@ from verl_bpo.core.leaf_meta import LeafMeta
 from verl_bpo.core.profile import TreeRecord
 from verl_bpo.rollout.protocols import Transcript
 
-__all__ = ["Anchor", "Branch", "Leaf", "TreeResult", "TreeState"]
+__all__ = ["Anchor", "Branch", "Leaf", "TreeResult", "TreeState", "derive_seed"]
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 31-bit seed that is a pure function of ``parts`` (e.g. a branch's seed, what it is for and its depth).
+
+    Every random draw of a branch (its turns' sampling seeds, its sandboxes' re-seeding, its children's seeds) is
+    derived from the branch's own seed this way rather than drawn from one generator shared by the tree: branches
+    run concurrently, so the order in which they would draw from a shared one depends on sandbox and server
+    latencies, and so would the tree."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
 class Anchor:
@@ -51,6 +63,8 @@ class Branch:
         turn_rewards: reward of each turn's sandbox step (a failed step earns 0).
         mass: ω of ``node``: Π 1/K over the forks above it.
         depth: turns taken.
+        seed: the branch's own random stream: its draws derive from it and its depth (:func:`derive_seed`), and
+            each child of a fork gets its own, derived from its parent's.
         forks: forks on the path, the root fork excluded.
         since_fork: turns since the last fork on the path (the root counts as one).
         last_turn_surprisal: mean −log π of the turn that led to ``node``.
@@ -78,6 +92,7 @@ class Branch:
     turn_rewards: list[float]
     mass: float
     depth: int = 0
+    seed: int = 0
     forks: int = 0
     since_fork: int = 0
     last_turn_surprisal: float | None = None
@@ -100,9 +115,9 @@ class Branch:
                         parent_turn_surprisal=self.last_turn_surprisal, forks_on_path=self.forks,
                         turns_since_fork=self.since_fork, horizon_left=max_turns - self.depth, budget=self.budget)
 
-    def copy_into(self, sandbox: Sandbox) -> Branch:
-        """A sibling at the same node: its own sandbox and transcript, the same history (no anchor yet)."""
-        return dataclasses.replace(self, sandbox=sandbox, transcript=self.transcript.copy(),
+    def copy_into(self, sandbox: Sandbox, seed: int) -> Branch:
+        """A sibling at the same node: its own sandbox, transcript and ``seed``, the same history (no anchor yet)."""
+        return dataclasses.replace(self, sandbox=sandbox, seed=seed, transcript=self.transcript.copy(),
                                    node_path=list(self.node_path), turn_rewards=list(self.turn_rewards), pending=None,
                                    born=time.perf_counter(), anchor=None, anchor_seed=None, replay=[])
 
