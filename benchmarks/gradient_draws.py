@@ -12,9 +12,11 @@ the learning benchmark's own ``gradient_draws``:
 
     python benchmarks/gradient_draws.py [--task real_early] [--draws 64] [--workers 2] [--out runs/learning]
 
-Last line: one JSON object: per set the signal-to-noise with its CI95 (bootstrap over draws), ``tr Cov`` and
-generated tokens per batch; ``gram_max_rel_diff`` (``max |G_A − G_A_uncached| / max |G_A|``: 0 up to floating
-point when the draws reproduce, target < 1e-3), ``snr_b_over_a``, ``snr_cis_overlap``, and ``wall_s``.
+Last line: one JSON object: per set the signal-to-noise with its CI95 (bootstrap over draws), ``tr Cov``,
+generated tokens per batch, and ``norm_sq_max_over_median`` (the largest draw's squared norm over the median's: one
+draw far out would carry ``tr Cov`` and the signal-to-noise with it); ``gram_max_rel_diff``
+(``max |G_A − G_A_uncached| / max |G_A|``: 0 up to floating point when the draws reproduce, target < 1e-3),
+``snr_b_over_a``, ``snr_cis_overlap``, and ``wall_s``.
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ def main() -> None:
     result: dict = {"task": args.task, "draws": args.draws, "estimator": "rloo", "sets": SETS}
     for name, (gram, tokens) in grams.items():
         snr = signal_to_noise(gram)
+        norms = np.diag(gram)
         result[name] = {"snr": round(snr, 4), "snr_ci95": bootstrap(lambda i, g=gram: signal_to_noise(g, i), len(gram)),
-                        "trace_cov": float(f"{trace_cov(gram):.4g}"), "tokens_per_batch": round(tokens, 1)}
+                        "trace_cov": float(f"{trace_cov(gram):.4g}"), "tokens_per_batch": round(tokens, 1),
+                        "norm_sq_max_over_median": round(float(norms.max() / np.median(norms)), 2)}
         print(f"{name}: SNR {snr:.3f} CI95 {result[name]['snr_ci95']}, tr Cov {trace_cov(gram):.4g}", flush=True)
     a, a_uncached = grams["A"][0], grams["A_uncached"][0]
     (lo_a, hi_a), (lo_b, hi_b) = result["A"]["snr_ci95"], result["B"]["snr_ci95"]
