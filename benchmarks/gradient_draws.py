@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from learning import (BENCHMARK_TASKS, bootstrap, gradient_draws, runnable, signal_to_noise, trace_cov,
-                      tree_settings, warm_start_model, worker_pool)
+from learning import (BENCHMARK_TASKS, bootstrap, gradient_draws, signal_to_noise, task_at_warm_start, trace_cov,
+                      tree_settings, worker_pool)
 
 SETS = {"A": {"seed": 0, "cache": True}, "A_uncached": {"seed": 0, "cache": False}, "B": {"seed": 1, "cache": True}}
 
@@ -40,10 +40,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
-    out = args.out.resolve()
     start = time.monotonic()
-    task = runnable(BENCHMARK_TASKS[args.task], out)
-    model_dir = warm_start_model(out, task)
+    task, model_dir = task_at_warm_start(args.task, args.out.resolve())
     with worker_pool(args.workers) as pool:
         futures = {name: pool.submit(gradient_draws, model_dir, task, "rloo", args.draws, 0, tree_settings(), **kw)
                    for name, kw in SETS.items()}

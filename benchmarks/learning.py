@@ -150,6 +150,13 @@ def warm_start_model(out: Path, task: DemoTask, seed: int = 0) -> Path:
     return (textworld_task_model if task.name in TEXTWORLD_TASKS else task_model)(out, task, seed)
 
 
+def task_at_warm_start(name: str, out: Path) -> tuple[DemoTask, Path]:
+    """Task ``name`` as the benchmark trains it under ``out``, and its warm start 0 (built when missing): where the
+    diagnostics start."""
+    task = runnable(BENCHMARK_TASKS[name], out)
+    return task, warm_start_model(out, task)
+
+
 def task_form(name: str) -> str | None:
     """``late`` or ``early``: where the task's decision sits (its targets), from its name (``hard_late``, ...)."""
     return next((form for form in TARGETS if name == form or name.endswith(f"_{form}")), None)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from learning import BENCHMARK_TASKS, runnable, trainer, tree_settings, warm_start_model
+from learning import BENCHMARK_TASKS, task_at_warm_start, trainer, tree_settings
 
 
 def timed_rollout(rl, run) -> tuple[float, float, list]:
@@ -76,10 +76,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
-    out = args.out.resolve()
     start = time.monotonic()
-    task = runnable(BENCHMARK_TASKS[args.task], out)
-    model_dir = warm_start_model(out, task)
+    task, model_dir = task_at_warm_start(args.task, args.out.resolve())
     tree = tree_settings(32, 0)  # no exploration-only trees: the learned plan from the first tree
     flat = trainer(model_dir, task, "rloo", 0, tree)
     bpo = trainer(model_dir, task, "bpo", 0, tree)
