@@ -117,6 +117,7 @@ OPT_IN_TASKS = tuple(TEXTWORLD_TASKS)
 ROLLOUT_N, MAX_TOKENS_PER_TURN = 8, 6
 ADAM_EPS = 1e-5  # torch's 1e-8 lets single updates break the warm start (benchmarks/first_updates.py)
 MAX_LEAVES, BPO_WARMUP_TREES = 32, 8  # the defaults of --max-leaves and --bpo-warmup-trees
+GRAD_WARMUP = 4  # the default of --grad-warmup: BPO batches that teach its profile before its gradients are drawn
 QUALIFY_MAX_RATIO = 0.75  # RLOO-2N's updates to target over RLOO's at most this (and its CI95 below 1) to qualify
 QUALIFY_RULE = (f"RLOO-2N updates to target / RLOO's <= {QUALIFY_MAX_RATIO} and its upper CI95 < 1.0 "
                 "(paired bootstrap over seeds; a censored seed counts as updates + eval_every)")
@@ -531,7 +532,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-episodes", type=int, default=2, help="episodes per evaluation task per evaluation")
     parser.add_argument("--grad-draws", type=int, default=128, help="batches per estimator for the gradient variance")
-    parser.add_argument("--grad-warmup", type=int, default=4, help="BPO batches that teach its profile first")
+    parser.add_argument("--grad-warmup", type=int, default=GRAD_WARMUP, help="BPO batches that teach its profile first")
     parser.add_argument("--max-leaves", type=int, default=MAX_LEAVES, help="bpo.learned.max_leaves of the BPO trees")
     parser.add_argument("--bpo-warmup-trees", type=int, default=BPO_WARMUP_TREES,
                         help="bpo.learned.warmup_trees: BPO's first trees of exploration shape (score-free)")
