@@ -39,7 +39,9 @@ def test_stock_grpo_two_steps_on_cpu(tmp_path):
     data = write_verl_dataset(tmp_path / "data" / "train.parquet", arithmetic_examples(8))
     reward = write_length_reward(tmp_path / "data" / "length_reward.py")
     overrides = cpu_launch.cpu_overrides(
-        model, data, data, output_dir=tmp_path / "run", n=2, batch_size=2, steps=2, reward_fn_path=reward,
+        # n=4: a group of two shared its length reward (mod 7) on one box's seeded vLLM draws, a zero gradient
+        # at step 1; four rollouts all sharing it is about 0.3% per group.
+        model, data, data, output_dir=tmp_path / "run", n=4, batch_size=2, steps=2, reward_fn_path=reward,
         lr=1e-2,  # large steps, so that a rollout engine left with stale weights would show in the check below
     )
 
