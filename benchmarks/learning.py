@@ -244,7 +244,9 @@ def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, 
     tasks = task.tasks(task.train_ids)[:task.batch]
     rows, tokens = [], []
     for d in range(warmup + draws):
-        rl.updates = d  # a fresh tree seed per draw; the weights never change
+        # A fresh tree seed per draw (the weights never change); measured draw k takes update k's seeds whatever the
+        # warm-up, so that BPO's and RLOO's draw k share their common random numbers and pair in the bootstrap.
+        rl.updates = d - warmup
         results = rl.rollout(tasks)
         if d < warmup:  # BPO's profile learns from these trees; they are not measured
             continue
@@ -273,7 +275,8 @@ def signal_to_noise(gram: np.ndarray, idx: np.ndarray | None = None) -> float:
     if not distinct.any():
         return float("nan")
     mean_sq = float(gram[np.ix_(idx, idx)][distinct].mean())
-    return mean_sq / trace_cov(gram, idx)
+    noise = trace_cov(gram, idx)
+    return mean_sq / noise if noise > 0 else float("nan")  # every draw alike (e.g. all zero: returns tied)
 
 
 def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> list[float]:

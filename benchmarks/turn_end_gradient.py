@@ -46,7 +46,7 @@ def turn_end_direction(rl, tasks: list[dict], episodes: int) -> tuple[np.ndarray
     """d (as one vector over every parameter) and the mean p of the turn-end token, from flat episodes."""
     import torch
 
-    results = rl.rollout(tasks, rollout_n=episodes, estimator="grpo")
+    results = rl.rollout(tasks, rollout_n=episodes, estimator="grpo", stream="direction")  # not a measured draw
     leaves = [leaf for r in results for leaf in r.leaves]
     length = max(len(leaf.transcript.response_mask) for leaf in leaves)
     rl.model.train()

@@ -178,6 +178,8 @@ def test_signal_to_noise_ci95_covers_the_truth_and_counts_no_draw_against_itself
     lo, hi = learning.bootstrap(lambda i: learning.signal_to_noise(signal @ signal.T, i), 64)
     assert lo < 0.04 < hi
     assert np.isnan(learning.signal_to_noise(noise @ noise.T, np.zeros(64, dtype=int)))
+    tied = np.zeros((8, 5))  # every batch's returns tied: no gradient, no noise; a verdict, not a crash
+    assert np.isnan(learning.qualification([4] * 6, [8] * 6, tied @ tied.T)["snr_rloo"])
 
 
 def test_gradient_variance_ratio_and_signal_to_noise_match_numpy():

@@ -70,6 +70,7 @@ class _RowSampler:
 
         logits = scores.float() / self.temperature
         race = torch.stack([torch.empty(scores.shape[-1]).exponential_(generator=g) for g in self.generators])
+        race = race.to(scores.device)
         choice = (logits - race.log()).argmax(-1)
         only = torch.full_like(scores, float("-inf"))
         only[torch.arange(len(choice)), choice] = 0.0

@@ -24,8 +24,9 @@ When the tree is done the policy learns from it (the profile of a learned alloca
 Randomness is per branch: each branch carries its own seed (the root's from the tree's, each fork's children's
 from their parent's), and its sandboxes' re-seeding (and, with ``seeded_turns``, its turns' sampling seeds) derive
 from it and its depth, never from one generator that concurrent branches draw from in whatever order their sandboxes
-and the server answer. A flat group is then the same whatever the latencies; a learned tree's widths and budget
-shares still follow the order in which its branches reach their nodes.
+and the server answer. With ``seeded_turns`` on an engine that honors per-request seeds, a flat group is then the same
+whatever the latencies; a learned tree's widths and budget shares still follow the order in which its branches reach
+their nodes.
 
 One request id per tree gives the LLM server sticky routing, so siblings hit the same prefix cache. A sandbox step
 that crashes or hangs past ``bpo.step_timeout_s`` is retried (``bpo.step_retries`` times) on a fresh sandbox rebuilt
