@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from learning import (BENCHMARK_TASKS, GRAD_WARMUP, bootstrap, gradient_draws, signal_to_noise, task_at_warm_start,
-                      trace_cov, tree_settings, worker_pool)
+                      trace_cov, tree_settings, variance_ratio, worker_pool)
 
 SETS = {"A": {"estimator": "rloo", "seed": 0, "cache": True},
         "A_uncached": {"estimator": "rloo", "seed": 0, "cache": False},
@@ -71,12 +71,7 @@ def main() -> None:
                   snr_b_over_a=round(result["B"]["snr"] / result["A"]["snr"], 3),
                   snr_cis_overlap=bool(lo_a <= hi_b and lo_b <= hi_a))
     if args.bpo:
-        (gram_b, tok_b), (gram_r, tok_r) = grams["BPO"], grams["A"]
-
-        def var_ratio(i: np.ndarray) -> float:
-            den = trace_cov(gram_r, i) * tok_r
-            return trace_cov(gram_b, i) * tok_b / den if den else float("nan")
-
+        var_ratio = variance_ratio(*grams["BPO"], *grams["A"])
         result.update(grad_var_bpo_over_rloo=round(var_ratio(np.arange(args.draws)), 4),
                       grad_var_ci95=bootstrap(var_ratio, args.draws))
     result["wall_s"] = round(time.monotonic() - start)

@@ -290,6 +290,16 @@ def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> list[float]:
     return [round(float(np.percentile(values, 2.5)), 4), round(float(np.percentile(values, 97.5)), 4)]
 
 
+def variance_ratio(gram_b: np.ndarray, tokens_b: float, gram_r: np.ndarray, tokens_r: float):
+    """The statistic tr Cov × tokens per batch of the draws ``i``, BPO's over RLOO's (NaN where RLOO's is 0)."""
+
+    def stat(i: np.ndarray) -> float:
+        den = trace_cov(gram_r, i) * tokens_r
+        return trace_cov(gram_b, i) * tokens_b / den if den else float("nan")
+
+    return stat
+
+
 def ratio_of_means(a: np.ndarray, b: np.ndarray):
     """The paired statistic ``mean(a[i]) / mean(b[i])`` of the seeds ``i`` (NaN where ``b``'s mean is 0)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
@@ -403,9 +413,7 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
         raise ValueError("the BPO and RLOO gradient draws must be as many (their variance ratio resamples both)")
     qual = qualification(reach[CONTROL], reach["rloo"], gram_r)
 
-    def var_ratio(i: np.ndarray) -> float:
-        den = trace_cov(gram_r, i) * tok_r
-        return trace_cov(gram_b, i) * tok_b / den if den else float("nan")
+    var_ratio = variance_ratio(gram_b, tok_b, gram_r, tok_r)
 
     def minus(stat: dict, a: str, b: str):
         return lambda i: stat[a][i].mean() - stat[b][i].mean()
