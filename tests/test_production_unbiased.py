@@ -17,12 +17,11 @@ actor config), over two data-parallel ranks (tests/production.py). Per tree i, �
    realised leaf count (the old estimator's scale), uniform leaf weights, and the posthoc fork score (a node's
    own kept turn decides its fork).
 
-Trees per case: ``BPO_MC_TREES`` (default 6144, what ``scripts/test.sh`` runs). Power: with n trees a
-coordinate's standard error is σ/√n, so a control's |z| grows as √n. Measured at n = 4096: realised-leaf-count
-weighting |z| = 11.4, uniform leaf weights 9.6, the posthoc score 13.9; at the default n each is expected near
-√1.5 × that (about 12-17), far past the detection bound of 6 (the weakest, uniform leaf weights, misses it only
-if its z falls 5 of its standard errors short), while the correct estimator's family-wise false alarm is 1e-4 at
-any n.
+Trees per case: ``BPO_MC_TREES`` (default 6144, what ``scripts/test.sh`` runs). Power: with n trees a coordinate's
+standard error is σ/√n, so a control's |z| grows as √n. Measured at n = 4096: realised-leaf-count weighting |z| =
+11.4, uniform leaf weights 9.6, the posthoc score 13.9; at the default n each is expected near √1.5 × that (about
+12-17), far past the detection bound of 6 (the weakest, uniform leaf weights, misses it only if its z falls about
+5.8 of its standard errors short), while the correct estimator's family-wise false alarm is 1e-4 at any n.
 """
 
 from __future__ import annotations

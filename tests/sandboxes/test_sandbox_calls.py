@@ -24,6 +24,9 @@ from verl_bpo.rollout.engine_pool import EnginePool
 from verl_bpo.rollout.sampler import TreeSampler
 from verl_bpo.rollout.sandbox_calls import SandboxCalls, hung_engine
 
+# Time limits and overlap are measured in wall-clock seconds: run alone in the full run (scripts/test.sh).
+pytestmark = pytest.mark.timing
+
 
 class SlowSmoke(SmokeSandbox):
     """The real smoke corridor on worker threads, a step taking ``delay_s``, or blocking until ``release``."""
