@@ -11,16 +11,25 @@ the learning benchmark's own ``gradient_draws``:
 * ``B``: tree seed 1, the cache on: an independent set of as many draws;
 * with ``--bpo``, ``BPO``: tree seed 0, the cache on, as many draws of BPO's batch gradient (``allocation=learned``
   after the learning benchmark's warm-up batches), whose ``tr Cov`` × generated tokens per batch is set against
-  ``A``'s as the learning benchmark does (``grad_var_bpo_over_rloo``, CI95 bootstrap over draws).
+  ``A``'s as the learning benchmark does (``grad_var_bpo_over_rloo``, CI95 bootstrap over draws), and the same
+  ratio of ``tr Cov`` estimated as the median of 8 blocks' (``grad_var_mom_bpo_over_rloo``): one far batch can
+  carry the plain ratio (on ``real_late``'s warm start one BPO batch held 85% of its ``tr Cov``), not this one.
 
-    python benchmarks/gradient_draws.py [--task real_early] [--draws 64] [--bpo] [--workers 2] [--out runs/learning]
+    python benchmarks/gradient_draws.py [--task real_early] [--draws 64] [--bpo] [--sets A BPO] [--workers 2]
+        [--out runs/learning]
 
-Last line: one JSON object: per set the signal-to-noise with its CI95 (bootstrap over draws), ``tr Cov``,
-generated tokens per batch, and ``norm_sq_max_over_median`` (the largest draw's squared norm over the median's: one
-draw far out would carry ``tr Cov`` and the signal-to-noise with it); ``gram_max_rel_diff``
-(``max |G_A − G_A_uncached| / max |G_A|``: 0 up to floating point when the draws reproduce, target < 1e-3),
-``snr_b_over_a``, ``snr_cis_overlap``, with ``--bpo`` ``grad_var_bpo_over_rloo`` and its ``grad_var_ci95``, and
-``wall_s``.
+``--sets`` draws only the sets named (``A`` and ``BPO`` suffice for the BPO/RLOO ratio). The Gram matrices are
+saved to ``OUT/gradient_draws_<task>.npz`` (one array per set, with its tokens per batch), so a recorded set can be
+read again with another statistic without drawing it again.
+
+Last line: one JSON object: per set the signal-to-noise with its CI95 (bootstrap over draws), ``tr Cov`` and its
+median-of-blocks ``trace_cov_mom``, generated tokens per batch, the trees' mean ``bpo/leaf_mass_factor`` (L · Σ w²,
+1 when every leaf weighs alike), and ``norm_sq_max_over_median`` (the largest draw's squared norm over the median's:
+one draw far out would carry ``tr Cov`` and the signal-to-noise with it); with ``A`` and ``A_uncached``
+``gram_max_rel_diff`` (``max |G_A − G_A_uncached| / max |G_A|``: 0 up to floating point when the draws reproduce,
+target < 1e-3), with ``A`` and ``B`` ``snr_b_over_a`` and ``snr_cis_overlap``, with ``A`` and ``BPO``
+``grad_var_bpo_over_rloo`` and ``grad_var_mom_bpo_over_rloo`` with their CI95s (``grad_var_ci95``,
+``grad_var_mom_ci95``), and ``wall_s``.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 from learning import (BENCHMARK_TASKS, GRAD_WARMUP, bootstrap, gradient_draws, signal_to_noise, task_at_warm_start,
-                      trace_cov, tree_settings, variance_ratio, worker_pool)
+                      trace_cov, trace_cov_median_of_means, tree_settings, variance_ratio, worker_pool)
 
 SETS = {"A": {"estimator": "rloo", "seed": 0, "cache": True},
         "A_uncached": {"estimator": "rloo", "seed": 0, "cache": False},
@@ -45,35 +54,47 @@ def main() -> None:
     parser.add_argument("--task", default="real_early", choices=list(BENCHMARK_TASKS))
     parser.add_argument("--draws", type=int, default=64)
     parser.add_argument("--bpo", action="store_true", help="also draw BPO's batch gradients (set BPO)")
+    parser.add_argument("--sets", nargs="+", choices=[*SETS, *BPO_SET], help="draw only these sets")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
     start = time.monotonic()
     task, model_dir = task_at_warm_start(args.task, args.out.resolve())
     sets = {**SETS, **(BPO_SET if args.bpo else {})}
+    if args.sets:
+        sets = {name: kw for name, kw in {**SETS, **BPO_SET}.items() if name in args.sets}
     with worker_pool(args.workers) as pool:
         futures = {name: pool.submit(gradient_draws, model_dir, task, kw["estimator"], args.draws,
                                      GRAD_WARMUP if kw["estimator"] == "bpo" else 0, tree_settings(), seed=kw["seed"],
                                      cache=kw["cache"])
                    for name, kw in sets.items()}
-        grams = {name: future.result() for name, future in futures.items()}
+        draws = {name: future.result() for name, future in futures.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    np.savez(args.out / f"gradient_draws_{args.task}.npz",
+             **{name: gram for name, (gram, _, _) in draws.items()},
+             **{f"{name}_tokens": tokens for name, (_, tokens, _) in draws.items()})
     result: dict = {"task": args.task, "draws": args.draws, "sets": sets}
-    for name, (gram, tokens) in grams.items():
+    for name, (gram, tokens, mass_factor) in draws.items():
         snr = signal_to_noise(gram)
         norms = np.diag(gram)
         result[name] = {"snr": round(snr, 4), "snr_ci95": bootstrap(lambda i, g=gram: signal_to_noise(g, i), len(gram)),
-                        "trace_cov": float(f"{trace_cov(gram):.4g}"), "tokens_per_batch": round(tokens, 1),
+                        "trace_cov": float(f"{trace_cov(gram):.4g}"),
+                        "trace_cov_mom": float(f"{trace_cov_median_of_means(gram):.4g}"),
+                        "tokens_per_batch": round(tokens, 1), "leaf_mass_factor": round(mass_factor, 3),
                         "norm_sq_max_over_median": round(float(norms.max() / np.median(norms)), 2)}
         print(f"{name}: SNR {snr:.3f} CI95 {result[name]['snr_ci95']}, tr Cov {trace_cov(gram):.4g}", flush=True)
-    a, a_uncached = grams["A"][0], grams["A_uncached"][0]
-    (lo_a, hi_a), (lo_b, hi_b) = result["A"]["snr_ci95"], result["B"]["snr_ci95"]
-    result.update(gram_max_rel_diff=float(f"{np.abs(a - a_uncached).max() / np.abs(a).max():.3g}"),
-                  snr_b_over_a=round(result["B"]["snr"] / result["A"]["snr"], 3),
-                  snr_cis_overlap=bool(lo_a <= hi_b and lo_b <= hi_a))
-    if args.bpo:
-        var_ratio = variance_ratio(*grams["BPO"], *grams["A"])
-        result.update(grad_var_bpo_over_rloo=round(var_ratio(np.arange(args.draws)), 4),
-                      grad_var_ci95=bootstrap(var_ratio, args.draws))
+    if {"A", "A_uncached"} <= sets.keys():
+        a, a_uncached = draws["A"][0], draws["A_uncached"][0]
+        result["gram_max_rel_diff"] = float(f"{np.abs(a - a_uncached).max() / np.abs(a).max():.3g}")
+    if {"A", "B"} <= sets.keys():
+        (lo_a, hi_a), (lo_b, hi_b) = result["A"]["snr_ci95"], result["B"]["snr_ci95"]
+        result.update(snr_b_over_a=round(result["B"]["snr"] / result["A"]["snr"], 3),
+                      snr_cis_overlap=bool(lo_a <= hi_b and lo_b <= hi_a))
+    if {"A", "BPO"} <= sets.keys():
+        for key, cov in (("grad_var", trace_cov), ("grad_var_mom", trace_cov_median_of_means)):
+            var_ratio = variance_ratio(*draws["BPO"][:2], *draws["A"][:2], cov=cov)
+            result[f"{key}_bpo_over_rloo"] = round(var_ratio(np.arange(args.draws)), 4)
+            result[f"{key}_ci95"] = bootstrap(var_ratio, args.draws)
     result["wall_s"] = round(time.monotonic() - start)
     print(json.dumps(result))
 

@@ -234,15 +234,16 @@ def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: 
 
 
 def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, warmup: int,
-                   tree: dict, seed: int = 0, cache: bool = True) -> tuple[np.ndarray, float]:
-    """The Gram matrix of ``draws`` batch gradients at the warm-start policy, and the mean tokens per batch.
+                   tree: dict, seed: int = 0, cache: bool = True) -> tuple[np.ndarray, float, float]:
+    """The Gram matrix of ``draws`` batch gradients at the warm-start policy, the mean tokens per batch, and the
+    trees' mean ``bpo/leaf_mass_factor`` (1 for flat groups).
     ``seed`` seeds the draws' trees (the same seed draws the same batches); ``cache``: the
     client's prefix cache on (off: every turn prefills its whole chat)."""
     rl = trainer(model_dir, task, estimator, seed, tree)
     if not cache:
         rl.client.cache.max_tokens = 0
     tasks = task.tasks(task.train_ids)[:task.batch]
-    rows, tokens = [], []
+    rows, tokens, mass_factors = [], [], []
     for d in range(warmup + draws):
         # A fresh tree seed per draw (the weights never change); measured draw k takes update k's seeds whatever the
         # warm-up, so that BPO's and RLOO's draw k share their common random numbers and pair in the bootstrap.
@@ -253,8 +254,9 @@ def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, 
         rl.gradient(results)
         rows.append(rl.flat_gradient())
         tokens.append(sum(r.metrics["bpo/generated_tokens"] for r in results))
+        mass_factors += [r.metrics["bpo/leaf_mass_factor"] for r in results]
     g = np.stack(rows).astype(np.float64)
-    return g @ g.T, float(np.mean(tokens))
+    return g @ g.T, float(np.mean(tokens)), float(np.mean(mass_factors))
 
 
 def trace_cov(gram: np.ndarray, idx: np.ndarray | None = None) -> float:
@@ -264,6 +266,16 @@ def trace_cov(gram: np.ndarray, idx: np.ndarray | None = None) -> float:
     sub = gram[np.ix_(idx, idx)]
     n = len(idx)
     return (float(np.trace(sub)) - float(sub.sum()) / n) / (n - 1)
+
+
+def trace_cov_median_of_means(gram: np.ndarray, idx: np.ndarray | None = None, blocks: int = 8) -> float:
+    """tr Cov of the draws ``idx`` as the median of its estimates on ``blocks`` consecutive blocks of them: one far
+    draw moves a single block's estimate, not the median, where it can carry the plain :func:`trace_cov` (a
+    heavy-tailed batch gradient). Not the mean: the median of a right-skewed block estimate sits below it, so only
+    ratios of two sets of like tails read alike. Blocks hold at least 2 draws (fewer blocks when draws are few)."""
+    idx = np.arange(len(gram)) if idx is None else np.asarray(idx)
+    blocks = max(1, min(blocks, len(idx) // 2))
+    return float(np.median([trace_cov(gram, block) for block in np.array_split(idx, blocks)]))
 
 
 def signal_to_noise(gram: np.ndarray, idx: np.ndarray | None = None) -> float:
@@ -290,12 +302,13 @@ def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> list[float]:
     return [round(float(np.percentile(values, 2.5)), 4), round(float(np.percentile(values, 97.5)), 4)]
 
 
-def variance_ratio(gram_b: np.ndarray, tokens_b: float, gram_r: np.ndarray, tokens_r: float):
-    """The statistic tr Cov × tokens per batch of the draws ``i``, BPO's over RLOO's (NaN where RLOO's is 0)."""
+def variance_ratio(gram_b: np.ndarray, tokens_b: float, gram_r: np.ndarray, tokens_r: float, cov=trace_cov):
+    """The statistic tr Cov × tokens per batch of the draws ``i``, BPO's over RLOO's (NaN where RLOO's is 0);
+    ``cov`` estimates tr Cov (:func:`trace_cov_median_of_means` for the robust form)."""
 
     def stat(i: np.ndarray) -> float:
-        den = trace_cov(gram_r, i) * tokens_r
-        return trace_cov(gram_b, i) * tokens_b / den if den else float("nan")
+        den = cov(gram_r, i) * tokens_r
+        return cov(gram_b, i) * tokens_b / den if den else float("nan")
 
     return stat
 
@@ -407,7 +420,7 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
     least = [min(tokens_until(runs[e][s], updates, batch) for e in ESTIMATORS) for s in range(n)]
     matched = {e: np.array([success_at_tokens(r, t, batch) for r, t in zip(runs[e], least)]) for e in ESTIMATORS}
     final = {e: np.array([np.mean([s for _, s in r["curve"][-2:]]) for r in runs[e]]) for e in runs}
-    (gram_b, tok_b), (gram_r, tok_r) = grads["bpo"], grads["rloo"]
+    (gram_b, tok_b), (gram_r, tok_r) = grads["bpo"][:2], grads["rloo"][:2]
     draws = len(gram_b)
     if len(gram_r) != draws:
         raise ValueError("the BPO and RLOO gradient draws must be as many (their variance ratio resamples both)")

@@ -168,6 +168,21 @@ def test_turn_budget_and_leaf_cap_are_kept():
     assert {len(r.leaves) for r in leaf_budget[50:]} == {N}  # exactly N leaves
 
 
+def test_no_node_is_starved_of_leaves_by_the_nodes_that_forked_first():
+    """A node forks within its share of the leaf cap (cap · ω over the leaves planned below each child), so the
+    nodes reached first, rounded up by the budget they hold, cannot spend the leaves of those reached last. Before
+    shares, with 8 root paths and 16 leaves the shape (4 roots, forks of 4 at the door) was grown with three forks
+    of 5 and one of 1 in 40% of trees: one leaf weighed 5 times its cousins, the tree's variance factor L · Σ ω²
+    rose to 1.28 on average, and a leaf's weight followed which branch came first."""
+    config = learned(warmup_trees=50, explore_share=0.0, budget_unit="turns", max_leaves=16)
+    results = sample_trees("late", {}, config, 8, 90, seed=0, policy=ForkPolicy(config))
+    masses = [np.array([leaf.meta.leaf_mass for leaf in r.leaves]) for r in results[50:]]
+    assert max(len(m) for m in masses) == 16  # the cap is reached: the case where nodes compete for it
+    assert max(m.max() / m.min() for m in masses) <= 1.5
+    factors = [r.metrics["bpo/leaf_mass_factor"] for r in results[50:]]
+    assert factors == pytest.approx([len(m) * (m ** 2).sum() for m in masses]) and np.mean(factors) < 1.05
+
+
 @pytest.mark.slow
 def test_exploration_trees_have_the_fixed_shape_and_fork_depths_spread_evenly():
     results, policy = grow("late", learned(warmup_trees=400), 400)

@@ -208,6 +208,22 @@ def test_gradient_variance_ratio_and_signal_to_noise_match_numpy():
     assert 0 < lo <= hi
 
 
+def test_median_of_block_variances_is_not_carried_by_one_far_draw():
+    """The robust tr Cov reads about the plain one on light tails, and one draw far out (a rare token under a heavy
+    leaf) moves only its block, where it carries the plain estimate; the ratio of two sets follows it."""
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((96, 40))
+    plain, robust = learning.trace_cov(g @ g.T), learning.trace_cov_median_of_means(g @ g.T)
+    assert robust == pytest.approx(plain, rel=0.2) and plain == pytest.approx(40, rel=0.1)
+    far = g.copy()
+    far[95] *= 50.0
+    assert learning.trace_cov(far @ far.T) > 15 * plain  # one draw of 96 carries the plain estimate ...
+    assert learning.trace_cov_median_of_means(far @ far.T) == pytest.approx(robust, rel=0.1)  # ... not the median
+    ratio = learning.variance_ratio(far @ far.T, 1.0, g @ g.T, 1.0, cov=learning.trace_cov_median_of_means)
+    assert ratio(np.arange(96)) == pytest.approx(1.0, rel=0.1)
+    assert learning.variance_ratio(far @ far.T, 1.0, g @ g.T, 1.0)(np.arange(96)) > 15
+
+
 def test_a_task_already_at_the_target_does_not_qualify():
     q = learning.qualification([0] * 6, [0] * 6)  # 0 / 0: no updates to save
     assert q["qualified"] is False and np.isnan(q["updates_to_target_rloo_2n_over_rloo"])

@@ -41,7 +41,7 @@ reach their next node (the shape of a subtree may depend on other subtrees, neve
 Separately, the leaf cap bounds the branches (N leaves under ``leaves``, ``bpo.learned.max_leaves`` otherwise): a
 fork's new leaves count against it when the fork is decided. The fixed rule places its forks by the leaves left
 under the cap, tree-wide (its amounts only keep the account); the learned allocation by the amount each node
-holds. Limits (AEPO-style,
+holds, each node within its own share of the cap. Limits (AEPO-style,
 arXiv:2510.14545): ``min_depth``, ``max_forks_per_path``, ``cooldown`` turns after a fork, and at least one turn of
 horizon left.
 """
@@ -77,6 +77,7 @@ class NodeView:
         turns_since_fork: turns since the last fork on this path (the root counts as a fork).
         horizon_left: turns the path may still take (``bpo.max_turns`` minus depth).
         budget: the amount the node's subtree may still spend, in the tree's :attr:`TreeBudget.unit`.
+        mass: ω of the node, Π 1/K over the forks above it (1 at the root): its share of the tree.
     """
 
     node_id: int
@@ -87,6 +88,7 @@ class NodeView:
     turns_since_fork: int
     horizon_left: int
     budget: float
+    mass: float = 1.0
 
 
 def is_eligible(view: NodeView, config: BPOConfig) -> bool:
@@ -307,7 +309,14 @@ class AllocationPlan(_LearnedPlan):
     K = stochastic_round(K_d · b / P_d) children, clamped to [1, b / C_d] (the root at least 2): P_d is what the
     shape plans to spend below such a node and C_d the expected cost of one path from d to its end, so a subtree
     that was handed more than planned (by paths that ended early) widens, one handed less narrows, and the budget
-    is kept. A node at a depth where the shape makes no fork never forks: what it holds beyond the plan goes down to
+    is kept. A node also forks no wider than its share of the leaf cap: ``floor(cap · ω / L_d)``, ω its mass and
+    L_d the leaves the shape plans below each child. Without it, nodes that fork first, rounded up, spent the cap
+    and the last ones at their depth could not fork at all, so their leaves weighed K times their cousins' (a
+    ``real_late`` tree of 8 root paths: six forks of 5, two of 1, masses 0.025 and 0.125), which raises the tree's
+    variance by its factor L · Σ ω² and follows which branch came first. A share holds the shares below it, so the
+    cap cannot run out before any node's turn and no width depends on the leaves other nodes took (a node's amount
+    still may: the pool).
+    A node at a depth where the shape makes no fork never forks: what it holds beyond the plan goes down to
     the next depth that does, since a fork elsewhere buys what the model prices lower, and on a routine walk it
     leaves sibling turns' coefficients uncancelled (docs/results.md, "Where the noise sits").
 
@@ -334,24 +343,26 @@ class AllocationPlan(_LearnedPlan):
         below = np.cumsum((per_sample * samples)[::-1])[::-1]  # Σ_{j≥d} q_j n_j
         self.planned = np.where(survival > 0, below / np.maximum(survival * before, 1e-12), 0.0)  # P_d
         self.cost_left = np.array([profile.cost_left(d, unit) for d in range(T)])
-        self.root_width = min(self.budget.leaf_cap, max(2, self._width(0, budget)))
+        self.leaves_below = np.concatenate([np.cumprod(self.shape.widths[:0:-1])[::-1], [1]])  # L_d = Π_{j>d} K_j
+        self.root_width = min(self.budget.leaf_cap, max(2, self._width(0, budget, 1.0)))
         self.budget.reserve(self.root_width)
 
     def widths(self, views: Sequence[NodeView], scores: Sequence[float]) -> list[int]:
         widths = []
         for view in views:
             left = self.budget.leaves_left
-            widths.append(min(self._width(view.depth, view.budget), left + 1) if left > 0 else 1)
+            widths.append(min(self._width(view.depth, view.budget, view.mass), left + 1) if left > 0 else 1)
             self.budget.reserve(widths[-1])
         return widths
 
-    def _width(self, depth: int, amount: float) -> int:
+    def _width(self, depth: int, amount: float, mass: float) -> int:
         if depth >= len(self.planned) or self.shape.widths[depth] <= 1:
             return 1  # off the shape's fork depths a surplus flows down to the next one (class docstring)
         planned = self.planned[depth]
         x = self.shape.widths[depth] * amount / planned if planned > 0 else 1.0
         high = amount if self.budget.unit == "leaves" else amount / self.cost_left[depth]
-        return max(1, self.stochastic_round(min(max(x, 1.0), max(high, 1.0))))
+        share = math.floor(self.budget.leaf_cap * mass / self.leaves_below[depth] + 1e-9)  # of the cap (docstring)
+        return max(1, min(self.stochastic_round(min(max(x, 1.0), max(high, 1.0))), share))
 
     def metrics(self) -> dict[str, float]:
         ratio = self.shape.variance / self.shape.flat_variance if self.shape.flat_variance > 0 else 1.0

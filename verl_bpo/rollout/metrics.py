@@ -59,6 +59,9 @@ def tree_metrics(state: TreeState, leaves: Sequence[Leaf], plan: Plan,
         "bpo/trainer_rows": float(len(leaves)),
         "bpo/mean_segment_turns": state.turns / segments,
         "bpo/leaf_depth": sum(leaf.meta.num_turns for leaf in leaves) / rows,
+        # L · Σ w²: 1 when every leaf weighs alike (a flat group), above 1 by the factor uneven masses multiply the
+        # variance of the tree's sum over its leaves (were their terms independent and alike).
+        "bpo/leaf_mass_factor": len(leaves) * sum(leaf.mass ** 2 for leaf in leaves) if leaves else 1.0,
         # Under a turn or token budget what is left is in turns or tokens: bpo/budget − bpo/budget_spent.
         **({"bpo/unspent_leaf_budget": float(max(plan.budget.pool, 0))} if plan.budget.unit == "leaves" else {}),
     }

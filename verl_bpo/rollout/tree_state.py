@@ -113,7 +113,8 @@ class Branch:
         """The frozen view of the branch's node: all a fork decision may read."""
         return NodeView(node_id=self.node, depth=self.depth, history=tuple(self.transcript.token_ids),
                         parent_turn_surprisal=self.last_turn_surprisal, forks_on_path=self.forks,
-                        turns_since_fork=self.since_fork, horizon_left=max_turns - self.depth, budget=self.budget)
+                        turns_since_fork=self.since_fork, horizon_left=max_turns - self.depth, budget=self.budget,
+                        mass=self.mass)
 
     def copy_into(self, sandbox: Sandbox, seed: int) -> Branch:
         """A sibling at the same node: its own sandbox, transcript and ``seed``, the same history (no anchor yet)."""
