@@ -18,9 +18,10 @@ the learning benchmark's own ``gradient_draws``:
     python benchmarks/gradient_draws.py [--task real_early] [--draws 64] [--bpo] [--sets A BPO] [--workers 2]
         [--out runs/learning]
 
-``--sets`` draws only the sets named (``A`` and ``BPO`` suffice for the BPO/RLOO ratio). The Gram matrices are
-saved to ``OUT/gradient_draws_<task>.npz`` (one array per set, with its tokens per batch), so a recorded set can be
-read again with another statistic without drawing it again.
+``--sets`` draws only the sets named (``A`` and ``BPO`` suffice for the BPO/RLOO ratio); a statistic whose sets
+were not drawn is left out. The Gram matrices are saved to ``OUT/gradient_draws_<task>_<sets>.npz`` (one array per
+set, with its tokens per batch), so a recorded set can be read again with another statistic without drawing it
+again.
 
 Last line: one JSON object: per set the signal-to-noise with its CI95 (bootstrap over draws), ``tr Cov`` and its
 median-of-blocks ``trace_cov_mom``, generated tokens per batch, the trees' mean ``bpo/leaf_mass_factor`` (L · Σ w²,
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
+    if args.bpo and args.sets:
+        parser.error("--bpo adds BPO to the default sets; with --sets, name BPO among them instead")
     start = time.monotonic()
     task, model_dir = task_at_warm_start(args.task, args.out.resolve())
     sets = {**SETS, **(BPO_SET if args.bpo else {})}
@@ -70,7 +73,7 @@ def main() -> None:
                    for name, kw in sets.items()}
         draws = {name: future.result() for name, future in futures.items()}
     args.out.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out / f"gradient_draws_{args.task}.npz",
+    np.savez(args.out / f"gradient_draws_{args.task}_{'_'.join(sets)}.npz",
              **{name: gram for name, (gram, _, _) in draws.items()},
              **{f"{name}_tokens": tokens for name, (_, tokens, _) in draws.items()})
     result: dict = {"task": args.task, "draws": args.draws, "sets": sets}

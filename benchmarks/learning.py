@@ -274,6 +274,8 @@ def trace_cov_median_of_means(gram: np.ndarray, idx: np.ndarray | None = None, b
     heavy-tailed batch gradient). Not the mean: the median of a right-skewed block estimate sits below it, so only
     ratios of two sets of like tails read alike. Blocks hold at least 2 draws (fewer blocks when draws are few)."""
     idx = np.arange(len(gram)) if idx is None else np.asarray(idx)
+    if len(idx) < 2:
+        return float("nan")
     blocks = max(1, min(blocks, len(idx) // 2))
     return float(np.median([trace_cov(gram, block) for block in np.array_split(idx, blocks)]))
 
@@ -650,7 +652,7 @@ def main() -> None:
             train([("grpo", seed, {}) for seed in range(args.seeds)])
         grads["bpo"] = bpo_grads.result()
         print(f"{name}: tr Cov x tokens at the warm start: "
-              + ", ".join(f"{e} {trace_cov(g) * t:.4g} ({t:.0f} tokens)" for e, (g, t) in grads.items()), flush=True)
+              + ", ".join(f"{e} {trace_cov(g) * t:.4g} ({t:.0f} tokens)" for e, (g, t, _) in grads.items()), flush=True)
         summary = summarize(name, runs, grads, target=task.target, updates=updates, eval_every=args.eval_every,
                             batch=task.batch)
         result.update({f"{name}_{k}": v for k, v in summary.items()})

@@ -171,9 +171,9 @@ def test_turn_budget_and_leaf_cap_are_kept():
 def test_no_node_is_starved_of_leaves_by_the_nodes_that_forked_first():
     """A node forks within its share of the leaf cap (cap · ω over the leaves planned below each child), so the
     nodes reached first, rounded up by the budget they hold, cannot spend the leaves of those reached last. Before
-    shares, with 8 root paths and 16 leaves the shape (4 roots, forks of 4 at the door) was grown with three forks
-    of 5 and one of 1 in 40% of trees: one leaf weighed 5 times its cousins, the tree's variance factor L · Σ ω²
-    rose to 1.28 on average, and a leaf's weight followed which branch came first."""
+    shares, with 8 rollouts' budget and 16 leaves the shape (4 roots, forks of 4 at the door) was grown with three
+    forks of 5 and one of 1 in 14 of these 40 trees: one leaf weighed 5 times its cousins, the trees' variance
+    factor L · Σ ω² was 1.23 on average, and a leaf's weight followed which branch came first."""
     config = learned(warmup_trees=50, explore_share=0.0, budget_unit="turns", max_leaves=16)
     results = sample_trees("late", {}, config, 8, 90, seed=0, policy=ForkPolicy(config))
     masses = [np.array([leaf.meta.leaf_mass for leaf in r.leaves]) for r in results[50:]]

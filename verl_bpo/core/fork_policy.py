@@ -309,13 +309,15 @@ class AllocationPlan(_LearnedPlan):
     K = stochastic_round(K_d · b / P_d) children, clamped to [1, b / C_d] (the root at least 2): P_d is what the
     shape plans to spend below such a node and C_d the expected cost of one path from d to its end, so a subtree
     that was handed more than planned (by paths that ended early) widens, one handed less narrows, and the budget
-    is kept. A node also forks no wider than its share of the leaf cap: ``floor(cap · ω / L_d)``, ω its mass and
-    L_d the leaves the shape plans below each child. Without it, nodes that fork first, rounded up, spent the cap
-    and the last ones at their depth could not fork at all, so their leaves weighed K times their cousins' (a
-    ``real_late`` tree of 8 root paths: six forks of 5, two of 1, masses 0.025 and 0.125), which raises the tree's
-    variance by its factor L · Σ ω² and follows which branch came first. A share holds the shares below it, so the
-    cap cannot run out before any node's turn and no width depends on the leaves other nodes took (a node's amount
-    still may: the pool).
+    is kept. Under a turn or token budget a node also forks no wider than its share of the leaf cap:
+    ``floor(cap · ω / L_d)``, ω its mass and L_d the leaves the shape plans below each child. Without it, nodes that
+    forked first, rounded up, could spend the cap, and the last ones at their depth could not fork at all, so their
+    leaves weighed K times their cousins' (a ``real_late`` tree: three root paths forked into 10, one into 2, masses
+    0.025 and 0.125), which raises the tree's variance by its factor L · Σ ω² and follows which branch came first.
+    A share holds the shares below it, so the cap cannot run out before any node's turn and no width depends on the
+    leaves other nodes took (a node's amount still may: the pool). Where the cap binds, what a node holds beyond its
+    share stays unspent (on ``real_late`` 342 tokens per batch with shares, 357 without, of about 379 budgeted).
+    Under a leaf budget the amounts are leaves and already deal out the cap.
     A node at a depth where the shape makes no fork never forks: what it holds beyond the plan goes down to
     the next depth that does, since a fork elsewhere buys what the model prices lower, and on a routine walk it
     leaves sibling turns' coefficients uncancelled (docs/results.md, "Where the noise sits").
@@ -361,8 +363,10 @@ class AllocationPlan(_LearnedPlan):
         planned = self.planned[depth]
         x = self.shape.widths[depth] * amount / planned if planned > 0 else 1.0
         high = amount if self.budget.unit == "leaves" else amount / self.cost_left[depth]
-        share = math.floor(self.budget.leaf_cap * mass / self.leaves_below[depth] + 1e-9)  # of the cap (docstring)
-        return max(1, min(self.stochastic_round(min(max(x, 1.0), max(high, 1.0))), share))
+        width = self.stochastic_round(min(max(x, 1.0), max(high, 1.0)))
+        if self.budget.unit != "leaves":  # a leaf budget's amounts are leaves: they already deal out the cap
+            width = min(width, math.floor(self.budget.leaf_cap * mass / self.leaves_below[depth] + 1e-9))
+        return max(1, width)
 
     def metrics(self) -> dict[str, float]:
         ratio = self.shape.variance / self.shape.flat_variance if self.shape.flat_variance > 0 else 1.0
