@@ -19,7 +19,7 @@ the learning benchmark's own ``gradient_draws``:
         [--out runs/learning]
 
 ``--sets`` draws only the sets named (``A`` and ``BPO`` suffice for the BPO/RLOO ratio); a statistic whose sets
-were not drawn is left out. The Gram matrices are saved to ``OUT/gradient_draws_<task>_<sets>.npz`` (one array per
+were not drawn is left out. The Gram matrices are saved to ``OUT/gradient_draws_<task>_<draws>_<sets>.npz`` (one array per
 set, with its tokens per batch), so a recorded set can be read again with another statistic without drawing it
 again.
 
@@ -73,7 +73,7 @@ def main() -> None:
                    for name, kw in sets.items()}
         draws = {name: future.result() for name, future in futures.items()}
     args.out.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out / f"gradient_draws_{args.task}_{'_'.join(sets)}.npz",
+    np.savez(args.out / f"gradient_draws_{args.task}_{args.draws}_{'_'.join(sets)}.npz",
              **{name: gram for name, (gram, _, _) in draws.items()},
              **{f"{name}_tokens": tokens for name, (_, tokens, _) in draws.items()})
     result: dict = {"task": args.task, "draws": args.draws, "sets": sets}
