@@ -19,9 +19,9 @@ the learning benchmark's own ``gradient_draws``:
         [--out runs/learning]
 
 ``--sets`` draws only the sets named (``A`` and ``BPO`` suffice for the BPO/RLOO ratio); a statistic whose sets
-were not drawn is left out. The Gram matrices are saved to ``OUT/gradient_draws_<task>_<draws>_<sets>.npz`` (one array per
-set, with its tokens per batch), so a recorded set can be read again with another statistic without drawing it
-again.
+were not drawn is left out. The Gram matrices are saved to ``OUT/gradient_draws_<task>_<draws>_<sets>.npz`` (one
+array per set, with its tokens per batch), so a recorded set can be read again with another statistic without
+drawing it again.
 
 Last line: one JSON object: per set the signal-to-noise with its CI95 (bootstrap over draws), ``tr Cov`` and its
 median-of-blocks ``trace_cov_mom``, generated tokens per batch, the trees' mean ``bpo/leaf_mass_factor`` (L · Σ w²,
@@ -63,9 +63,9 @@ def main() -> None:
         parser.error("--bpo adds BPO to the default sets; with --sets, name BPO among them instead")
     start = time.monotonic()
     task, model_dir = task_at_warm_start(args.task, args.out.resolve())
-    sets = {**SETS, **(BPO_SET if args.bpo else {})}
-    if args.sets:
-        sets = {name: kw for name, kw in {**SETS, **BPO_SET}.items() if name in args.sets}
+    every = {**SETS, **BPO_SET}
+    names = args.sets or [*SETS, *(BPO_SET if args.bpo else ())]
+    sets = {name: kw for name, kw in every.items() if name in names}
     with worker_pool(args.workers) as pool:
         futures = {name: pool.submit(gradient_draws, model_dir, task, kw["estimator"], args.draws,
                                      GRAD_WARMUP if kw["estimator"] == "bpo" else 0, tree_settings(), seed=kw["seed"],
@@ -78,14 +78,14 @@ def main() -> None:
              **{f"{name}_tokens": tokens for name, (_, tokens, _) in draws.items()})
     result: dict = {"task": args.task, "draws": args.draws, "sets": sets}
     for name, (gram, tokens, mass_factor) in draws.items():
-        snr = signal_to_noise(gram)
+        snr, cov = signal_to_noise(gram), trace_cov(gram)
         norms = np.diag(gram)
         result[name] = {"snr": round(snr, 4), "snr_ci95": bootstrap(lambda i, g=gram: signal_to_noise(g, i), len(gram)),
-                        "trace_cov": float(f"{trace_cov(gram):.4g}"),
+                        "trace_cov": float(f"{cov:.4g}"),
                         "trace_cov_mom": float(f"{trace_cov_median_of_means(gram):.4g}"),
                         "tokens_per_batch": round(tokens, 1), "leaf_mass_factor": round(mass_factor, 3),
                         "norm_sq_max_over_median": round(float(norms.max() / np.median(norms)), 2)}
-        print(f"{name}: SNR {snr:.3f} CI95 {result[name]['snr_ci95']}, tr Cov {trace_cov(gram):.4g}", flush=True)
+        print(f"{name}: SNR {snr:.3f} CI95 {result[name]['snr_ci95']}, tr Cov {cov:.4g}", flush=True)
     if {"A", "A_uncached"} <= sets.keys():
         a, a_uncached = draws["A"][0], draws["A_uncached"][0]
         result["gram_max_rel_diff"] = float(f"{np.abs(a - a_uncached).max() / np.abs(a).max():.3g}")

@@ -404,9 +404,9 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
               batch: int) -> dict:
     """One task's summary from plain data (no model): ``runs``: estimator (``bpo``, ``grpo``, ``rloo``,
     ``rloo_2n``) -> per seed ``{"curve": [(update, success), ...], "steps": [step dicts]}`` (a step dict holds
-    :class:`~verl_bpo.local.trainer.StepStats`' fields, per tree); ``grads``: ``{"bpo": (gram, tokens per batch, ...),
-    "rloo": (...)}`` at the warm start (:func:`gradient_draws`' values; the first two are read); ``name`` picks the targets (:data:`TARGETS`); ``updates``, ``eval_every``
-    and ``batch`` as the runs trained."""
+    :class:`~verl_bpo.local.trainer.StepStats`' fields, per tree); ``grads``: ``{"bpo": (gram, tokens per batch,
+    ...), "rloo": (...)}`` at the warm start (:func:`gradient_draws`' values; the first two are read); ``name`` picks
+    the targets (:data:`TARGETS`); ``updates``, ``eval_every`` and ``batch`` as the runs trained."""
     seeds = {e: len(r) for e, r in runs.items()}
     if set(runs) != {*ESTIMATORS, CONTROL} or len(set(seeds.values())) != 1:
         raise ValueError(f"summarize needs the same seeds of {(*ESTIMATORS, CONTROL)}, got {seeds}")

@@ -313,11 +313,12 @@ class AllocationPlan(_LearnedPlan):
     ``floor(cap · ω / L_d)``, ω its mass and L_d the leaves the shape plans below each child. Without it, nodes that
     forked first, rounded up, could spend the cap, and the last ones at their depth got only what remained, so their
     leaves could weigh several times their cousins' (a ``real_late`` tree: three root paths forked into 10, the last
-    into 2, masses 0.025 and 0.125: 5×), which raises the tree's variance by its factor L · Σ ω² and follows which branch came first.
-    A share holds the shares below it, so the cap cannot run out before any node's turn and no width depends on the
-    leaves other nodes took (a node's amount still may: the pool). Where the cap binds, what a node holds beyond its
-    share stays unspent (on ``real_late``'s warm start 342 generated tokens per batch with shares, 357 without).
-    Under a leaf budget the amounts are leaves and already deal out the cap.
+    into 2, masses 0.025 and 0.125: 5×), which raises the tree's variance by its factor L · Σ ω² and follows which
+    branch came first. A share holds the shares below it, so the cap cannot run out before any node's turn and no
+    width depends on the leaves other nodes took (a node's amount still may: the pool). Where the cap binds, what a
+    node holds beyond its share stays unspent (on ``real_late``'s warm start 342 generated tokens per batch with
+    shares, 357 without). Under a leaf budget the amounts are leaves and already deal out the cap.
+
     A node at a depth where the shape makes no fork never forks: what it holds beyond the plan goes down to
     the next depth that does, since a fork elsewhere buys what the model prices lower, and on a routine walk it
     leaves sibling turns' coefficients uncancelled (docs/results.md, "Where the noise sits").
