@@ -94,7 +94,7 @@ import multiprocessing
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -255,8 +255,13 @@ def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, 
         rows.append(rl.flat_gradient())
         tokens.append(sum(r.metrics["bpo/generated_tokens"] for r in results))
         mass_factors += [r.metrics["bpo/leaf_mass_factor"] for r in results]
+    return gram_matrix(rows), float(np.mean(tokens)), float(np.mean(mass_factors))
+
+
+def gram_matrix(rows: Sequence[np.ndarray]) -> np.ndarray:
+    """Every inner product between the gradient draws ``rows`` (float32 as the model gives them), in float64."""
     g = np.stack(rows).astype(np.float64)
-    return g @ g.T, float(np.mean(tokens)), float(np.mean(mass_factors))
+    return g @ g.T
 
 
 def trace_cov(gram: np.ndarray, idx: np.ndarray | None = None) -> float:

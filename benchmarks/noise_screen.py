@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from learning import ADAM_EPS, ROLLOUT_N, signal_to_noise, task_order, trainer, update_batch
+from learning import ADAM_EPS, ROLLOUT_N, gram_matrix, signal_to_noise, task_order, trainer, update_batch
 
 from verl_bpo.demo.tasks import TASKS, task_model
 
@@ -194,8 +194,7 @@ def main() -> None:
     (rloo, success), (control, _) = (draw_gradients(model_dir, task, n, args.draws, lr, args.seed)
                                      for n in (ROLLOUT_N, 2 * ROLLOUT_N))
     draws = {"rloo": rloo, "rloo_2n": control}
-    snr = {name: round(signal_to_noise(g.astype(np.float64) @ g.T.astype(np.float64)), 4)
-           for name, g in draws.items()}
+    snr = {name: round(signal_to_noise(gram_matrix(g)), 4) for name, g in draws.items()}
     horizon = 3 * max(args.horizons)  # room for the control to catch up
     by_eps = {}
     for eps in args.adam_eps:

@@ -17,22 +17,33 @@ Both are second moments, signal included (at ``hard_late``'s warm start a batch'
 noise: the learning benchmark's ``snr_rloo``); identical tokens in identical contexts do share one score, so the truth
 lies between the two.
 
-``--gradient`` also measures the real thing: tr Cov of the batch gradient, each part by zeroing the other's
-advantages (the on-policy loss is linear in them, so the parts sum to the whole); it costs two backward passes per
-batch and needs many batches (its tail comes from the rare batches with a success). Each figure is per batch ×
-generated tokens per batch (matched generated tokens), BPO / RLOO, with a bootstrap CI95 over the batches.
+``--gradient`` also measures the real thing: tr Cov of the batch gradient, each part by zeroing the others'
+advantages (the on-policy loss is linear in them, so the parts sum to the whole, ``whole``); it costs one backward
+pass per part per batch and needs many batches (its tail comes from the rare batches with a success). Each figure
+is per batch × generated tokens per batch (matched generated tokens), BPO / RLOO, with a bootstrap CI95 over the
+batches; ``share`` is each part's tr Cov over the whole's, per estimator (a point estimate; cross terms between the
+parts make the shares sum to other than 1).
 
-    python benchmarks/turn_noise.py --task hard_late [--batches 200] [--warmup 4] [--gradient]
+    python benchmarks/turn_noise.py --task hard_late [--batches 200] [--warmup 4] [--gradient] [--rare-below 0.05]
                                     [--invalid-penalty 0] [--max-steps 16] [--min-depth 7]
+
+``--rare-below P`` splits each part by the sampled token's rollout probability (``walk_rare`` below P,
+``walk_common`` at or above, the same for ``last``): a token's score (∇ log π) grows as its probability falls, so a
+few rare samples can carry the real gradient's noise where both score models, which weigh every token alike, see
+none (the coherent model also loses the cross term of one token id that is rare in one context and common in
+another).
 
 ``--invalid-penalty`` and ``--max-steps`` measure a variant of the task (its own warm start, built the first time):
 whether the walk's noise follows what a wandering walk costs in return (penalised invalid moves, episodes that run
 out of steps before the door). ``--min-depth`` keeps the BPO trees from forking above that depth (but at the root):
 whether forks on the routine walk are what its noise follows.
 
-Last line: one JSON object: per part (``walk``, ``last``) and score model (``independent``, ``coherent``;
-``gradient`` with ``--gradient``) ``bpo_over_rloo`` and ``ci95``; ``tokens`` per batch of each; the settings and
-``wall_s``. About six minutes for ``hard_late`` at 200 batches on two cores (four times that with ``--gradient``).
+Last line: one JSON object: per part (``walk``, ``last``, or their ``_rare`` and ``_common`` halves) and score
+model (``independent``, ``coherent``; ``gradient`` with ``--gradient``, with its ``share``) ``bpo_over_rloo`` and
+``ci95``; with ``--gradient`` the ``whole`` gradient's; ``tokens`` per batch of each estimator and
+``tokens_per_batch`` of each part (trained tokens, mask 1: a failed turn masked out counts in neither part); the
+settings and ``wall_s``. About six minutes for ``hard_late`` at 200 batches on two cores (four times that with
+``--gradient``, twice that again with ``--rare-below``).
 """
 
 from __future__ import annotations
@@ -45,15 +56,21 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from learning import bootstrap, trace_cov, trainer, tree_settings, warm_start_batches
+from learning import bootstrap, gram_matrix, trace_cov, trainer, tree_settings, warm_start_batches
 from noise_screen import variant
 
 from verl_bpo.demo.tasks import TASKS, task_model
 
 PARTS = ("walk", "last")
-# One generated turn of one leaf row: its node (shared by the leaves through it), its token ids and loss
-# coefficients, and its part (``walk`` or ``last``).
+# One generated turn (or the tokens of one part of it) of one leaf row: its node (shared by the leaves through it),
+# its token ids and loss coefficients, and its part (``walk`` or ``last``, with ``--rare-below`` ``_rare`` or
+# ``_common``).
 Turn = tuple[object, Sequence[int], Sequence[float], str]
+
+
+def parts(rare_below: float | None = None) -> tuple[str, ...]:
+    """The parts a batch is split into: ``walk`` and ``last``, each split in two by ``rare_below``."""
+    return PARTS if rare_below is None else tuple(f"{p}_{r}" for p in PARTS for r in ("rare", "common"))
 
 
 def turn_part(k: int, turns: int) -> str:
@@ -61,87 +78,122 @@ def turn_part(k: int, turns: int) -> str:
     return "last" if k == turns - 1 else "walk"
 
 
-def noise_energies(turns: Iterable[Turn]) -> dict[str, dict[str, float]]:
-    """Per part (``walk``, ``last``), the ``independent`` and ``coherent`` noise of one batch's turns (module
+def token_parts(k: int, turns: int, logprobs: Sequence[float], rare_below: float | None = None) -> list[str]:
+    """The part of each token of a leaf's ``k``-th turn, given their rollout log-probabilities: its turn's part,
+    with ``rare_below`` suffixed ``_rare`` where the token's probability is below it and ``_common`` elsewhere."""
+    part = turn_part(k, turns)
+    if rare_below is None:
+        return [part] * len(logprobs)
+    below = float(np.log(rare_below))
+    return [f"{part}_{'rare' if lp < below else 'common'}" for lp in logprobs]
+
+
+def noise_energies(turns: Iterable[Turn], names: Sequence[str] = PARTS) -> dict[str, dict[str, float]]:
+    """Per part of ``names``, the ``independent`` and ``coherent`` noise of one batch's turns (module
     docstring)."""
-    by_node: dict[object, np.ndarray] = {}
-    part_of: dict[object, str] = {}
-    by_token: dict[str, collections.defaultdict[int, float]] = {p: collections.defaultdict(float) for p in PARTS}
+    by_node: dict[tuple[object, str], np.ndarray] = {}
+    by_token: dict[str, collections.defaultdict[int, float]] = {p: collections.defaultdict(float) for p in names}
     for node, ids, coefs, part in turns:
         coefs = np.asarray(coefs, dtype=np.float64)
-        by_node[node] = by_node.get(node, 0.0) + coefs
-        part_of.setdefault(node, part)
+        by_node[(node, part)] = by_node.get((node, part), 0.0) + coefs
         for token, c in zip(ids, coefs):
             by_token[part][int(token)] += float(c)
-    out = {p: {"independent": 0.0, "coherent": sum(v * v for v in by_token[p].values())} for p in PARTS}
-    for node, coefs in by_node.items():
-        out[part_of[node]]["independent"] += float(np.sum(coefs * coefs))
+    out = {p: {"independent": 0.0, "coherent": sum(v * v for v in by_token[p].values())} for p in names}
+    for (_, part), coefs in by_node.items():
+        out[part]["independent"] += float(np.sum(coefs * coefs))
     return out
 
 
-def batch_turns(rl, results) -> list[Turn]:
-    """The turns of one batch of trees, with the coefficients verl's loss gives their tokens (the trainer's own
-    row layout and estimator call, so the coefficients are the ones it trains on)."""
+def leaf_token_parts(leaf, rare_below: float | None = None) -> list[tuple[int, int, str]]:
+    """Every trained token of a leaf row (mask 1; a turn's span also holds the environment's reply, mask 0): its
+    turn, its response offset and its part."""
+    spans, logprobs, mask = leaf.meta.turn_spans, leaf.transcript.response_logprobs, leaf.transcript.response_mask
+    return [(k, s + i, part) for k, (s, e) in enumerate(spans)
+            for i, part in enumerate(token_parts(k, len(spans), logprobs[s:e], rare_below)) if mask[s + i]]
+
+
+def batch_turns(rl, results, rare_below: float | None = None) -> list[Turn]:
+    """The turns of one batch of trees (each split by part), with the coefficients verl's loss gives their tokens
+    (the trainer's own row layout and estimator call, so the coefficients are the ones it trains on)."""
     batch = rl._batch(results)
     coefs = (rl._advantages(batch) * batch["response_mask"]).numpy() / len(batch["leaves"])
     turns = []
     for row, leaf in enumerate(batch["leaves"]):
-        ids, spans = leaf.transcript.response_ids, leaf.meta.turn_spans
-        for k, (s, e) in enumerate(spans):
+        ids = leaf.transcript.response_ids
+        by_turn: dict[tuple[int, str], list[int]] = collections.defaultdict(list)
+        for k, offset, part in leaf_token_parts(leaf, rare_below):
+            by_turn[(k, part)].append(offset)
+        for (k, part), offsets in by_turn.items():
             node = (leaf.meta.tree_id, leaf.meta.node_path[k + 1])
-            turns.append((node, ids[s:e], coefs[row, s:e], turn_part(k, len(spans))))
+            turns.append((node, [ids[i] for i in offsets], coefs[row, offsets], part))
     return turns
 
 
-def part_gradients(rl, results) -> dict[str, np.ndarray]:
-    """The batch gradient's walk and last-turn parts: verl's loss with the other part's advantages zeroed."""
+def part_gradients(rl, results, rare_below: float | None = None) -> dict[str, np.ndarray]:
+    """The batch gradient's parts: verl's loss with every other part's advantages zeroed."""
     import torch
 
     full = rl._advantages
     grads = {}
-    for part in PARTS:
-        def masked(batch, part=part):
+    for name in parts(rare_below):
+        def masked(batch, name=name):
             advantages = full(batch)
             keep = torch.zeros_like(advantages)
             for row, leaf in enumerate(batch["leaves"]):
-                spans = leaf.meta.turn_spans
-                for k, (s, e) in enumerate(spans):
-                    keep[row, s:e] = float(turn_part(k, len(spans)) == part)
+                for _, offset, part in leaf_token_parts(leaf, rare_below):
+                    keep[row, offset] = float(part == name)
             return advantages * keep
         rl._advantages = masked
         try:
             rl.gradient(results)
         finally:
             rl._advantages = full
-        grads[part] = rl.flat_gradient().astype(np.float64)
+        grads[name] = rl.flat_gradient()
     return grads
 
 
 def measure(model_dir, task, estimator: str, batches: int, warmup: int, seed: int, gradient: bool,
-            bpo: dict | None = None) -> dict:
-    """Per batch, the noise energies (and gradient parts); the mean generated tokens per batch. ``bpo``: settings
-    of the ``bpo:`` block on top of the learning benchmark's."""
+            bpo: dict | None = None, rare_below: float | None = None) -> dict:
+    """Per batch, the noise energies (and gradient parts, and their sum: the whole batch gradient); the mean
+    generated tokens per batch, and per part. ``bpo``: settings of the ``bpo:`` block on top of the learning
+    benchmark's."""
     rl = trainer(model_dir, task, estimator, seed, tree_settings(), bpo=bpo)
+    names = parts(rare_below)
     energies: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     grads: dict[str, list[np.ndarray]] = collections.defaultdict(list)
-    tokens = []
+    tokens, part_tokens = [], collections.Counter()
     for results in warm_start_batches(rl, task, seed, batches, warmup):
         tokens.append(sum(r.metrics["bpo/generated_tokens"] for r in results))
-        for part, values in noise_energies(batch_turns(rl, results)).items():
+        turns = batch_turns(rl, results, rare_below)
+        for _, ids, _, part in {(t[0], t[3]): t for t in turns}.values():  # each distinct turn once
+            part_tokens[part] += len(ids)
+        for part, values in noise_energies(turns, names).items():
             for model, value in values.items():
                 energies[(part, model)].append(value)
         if gradient:
-            for part, g in part_gradients(rl, results).items():
+            by_part = part_gradients(rl, results, rare_below)
+            for part, g in by_part.items():
                 grads[part].append(g)
-    out = {"tokens": float(np.mean(tokens)), "energies": {k: np.array(v) for k, v in energies.items()}}
+            grads["whole"].append(sum(by_part.values()))
+    out = {"tokens": float(np.mean(tokens)), "energies": {k: np.array(v) for k, v in energies.items()},
+           "part_tokens": {p: part_tokens[p] / batches for p in names}}
     if gradient:
-        out["grams"] = {part: np.stack(g) @ np.stack(g).T for part, g in grads.items()}
+        out["grams"] = {part: gram_matrix(g) for part, g in grads.items()}
     return out
 
 
+def share(grams: dict[str, np.ndarray], part: str) -> float:
+    """``part``'s tr Cov over the whole gradient's (NaN when the whole has none: every advantage zero)."""
+    whole = trace_cov(grams["whole"])
+    return round(trace_cov(grams[part]) / whole, 3) if whole else float("nan")
+
+
 def compare(bpo: dict, rloo: dict, batches: int) -> dict:
-    """BPO / RLOO of every part and score model, per batch × tokens per batch, with CI95 (resampled batches)."""
+    """BPO / RLOO of every part and score model, per batch × tokens per batch, with CI95 (resampled batches); with
+    gradients, each part's share of each estimator's tr Cov (cross terms between parts make the shares sum to other
+    than 1), and the whole gradient's ratio."""
     out: dict = {}
+    runs = (("bpo", bpo), ("rloo", rloo))
     for (part, model), values in bpo["energies"].items():
         base = rloo["energies"][(part, model)]
 
@@ -154,9 +206,18 @@ def compare(bpo: dict, rloo: dict, batches: int) -> dict:
         def stat(i, part=part):
             den = trace_cov(rloo["grams"][part], i) * rloo["tokens"]
             return trace_cov(bpo["grams"][part], i) * bpo["tokens"] / den if den else float("nan")
-        out[part]["gradient"] = {"bpo_over_rloo": round(float(stat(np.arange(batches))), 3),
-                                 "ci95": bootstrap(stat, batches)}
+        out.setdefault(part, {})["gradient"] = {
+            "bpo_over_rloo": round(float(stat(np.arange(batches))), 3), "ci95": bootstrap(stat, batches),
+            **({} if part == "whole" else {"share": {e: share(r["grams"], part) for e, r in runs}})}
     return out
+
+
+def probability(text: str) -> float:
+    """``--rare-below``'s value: a probability in (0, 1]."""
+    p = float(text)
+    if not 0 < p <= 1:
+        raise argparse.ArgumentTypeError(f"--rare-below takes a probability in (0, 1], got {p}: e.g. 0.05")
+    return p
 
 
 def main() -> None:
@@ -166,6 +227,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="BPO batches that teach the profile first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient", action="store_true", help="also measure the real gradient's parts")
+    parser.add_argument("--rare-below", type=probability, default=None,
+                        help="split each part by the sampled token's probability at this threshold (e.g. 0.05)")
     parser.add_argument("--min-depth", type=int, default=None,
                         help="bpo.min_depth of the BPO trees: no fork above this depth but the root's (default: "
                              "the benchmark's, 1)")
@@ -179,15 +242,19 @@ def main() -> None:
     task = variant(TASKS[args.task], None, args.invalid_penalty, args.max_steps)
     model_dir = task_model(args.out, task)
     forks = {} if args.min_depth is None else {"min_depth": args.min_depth}
-    runs = {"rloo": measure(model_dir, task, "rloo", args.batches, 0, args.seed, args.gradient),
-            "bpo": measure(model_dir, task, "bpo", args.batches, args.warmup, args.seed, args.gradient, forks)}
+    runs = {"rloo": measure(model_dir, task, "rloo", args.batches, 0, args.seed, args.gradient,
+                            rare_below=args.rare_below),
+            "bpo": measure(model_dir, task, "bpo", args.batches, args.warmup, args.seed, args.gradient, forks,
+                           args.rare_below)}
     result = compare(runs["bpo"], runs["rloo"], args.batches)
     for part, models in result.items():
         print(part, {m: v["bpo_over_rloo"] for m, v in models.items()})
     print(json.dumps({"task": task.name, "sandbox_config": dict(task.sandbox_config), **result,
                       "tokens": {e: round(r["tokens"], 1) for e, r in runs.items()},
+                      "tokens_per_batch": {e: {p: round(n, 1) for p, n in r["part_tokens"].items()}
+                                           for e, r in runs.items()},
                       "batches": args.batches, "warmup": args.warmup, "seed": args.seed, "min_depth": args.min_depth,
-                      "wall_s": round(time.monotonic() - t0)}))
+                      "rare_below": args.rare_below, "wall_s": round(time.monotonic() - t0)}))
 
 
 if __name__ == "__main__":

@@ -34,3 +34,45 @@ def test_a_turn_shared_by_leaves_sums_its_coefficients_before_squaring():
 def test_a_leafs_last_turn_is_its_last_part_and_every_other_its_walk():
     assert [noise.turn_part(k, 3) for k in range(3)] == ["walk", "walk", "last"]
     assert noise.turn_part(0, 1) == "last"
+
+
+def test_rare_tokens_split_off_by_their_sampled_probability():
+    logprobs = [-0.1, -4.0, -2.0]  # probabilities 0.90, 0.018, 0.135
+    assert noise.token_parts(0, 2, logprobs) == ["walk"] * 3
+    assert noise.token_parts(0, 2, logprobs, 0.05) == ["walk_common", "walk_rare", "walk_common"]
+    assert noise.token_parts(1, 2, logprobs, 0.2) == ["last_common", "last_rare", "last_rare"]
+    assert noise.parts(0.05) == ("walk_rare", "walk_common", "last_rare", "last_common")
+
+
+def test_splitting_a_shared_turn_by_part_keeps_its_independent_noise():
+    # Node "w" shared by two rows, its second token rare: split, each part's coefficients still sum over the rows
+    # before squaring, and the parts' noise adds up to the unsplit turn's.
+    whole = [("w", [7, 8], [0.25, 0.5], "walk"), ("w", [7, 8], [0.25, 0.5], "walk")]
+    split = [("w", [7], [0.25], "walk_common"), ("w", [8], [0.5], "walk_rare")] * 2
+    names = noise.parts(0.05)
+    out = noise.noise_energies(split, names)
+    assert out["walk_common"]["independent"] == pytest.approx(0.5 ** 2)
+    assert out["walk_rare"]["independent"] == pytest.approx(1.0 ** 2)
+    assert out["last_rare"] == {"independent": 0.0, "coherent": 0.0}
+    total = sum(out[p]["independent"] for p in names)
+    assert total == pytest.approx(noise.noise_energies(whole)["walk"]["independent"])
+
+
+def test_a_leafs_environment_tokens_belong_to_no_part():
+    # Two turns, each one generated token then the environment's reply (mask 0, log-probability 0): only the
+    # generated tokens get a part; the second turn's token is rare.
+    from types import SimpleNamespace
+    transcript = SimpleNamespace(response_mask=[1, 0, 0, 1, 0], response_logprobs=[-0.1, 0.0, 0.0, -5.0, 0.0])
+    leaf = SimpleNamespace(transcript=transcript, meta=SimpleNamespace(turn_spans=[(0, 3), (3, 5)]))
+    assert noise.leaf_token_parts(leaf) == [(0, 0, "walk"), (1, 3, "last")]
+    assert noise.leaf_token_parts(leaf, 0.05) == [(0, 0, "walk_common"), (1, 3, "last_rare")]
+
+
+def test_shares_of_a_batch_with_no_noise_are_nan_not_a_crash():
+    import numpy as np
+    zero = np.zeros((3, 3))
+    grams = {"walk": zero, "last": zero, "whole": zero}
+    out = noise.compare({"tokens": 1.0, "energies": {}, "grams": grams},
+                        {"tokens": 1.0, "energies": {}, "grams": grams}, 3)
+    assert np.isnan(out["walk"]["gradient"]["share"]["bpo"])
+    assert "share" not in out["whole"]["gradient"]
