@@ -396,6 +396,9 @@ class SandboxConformance:
         with pytest.raises(SandboxCrashed):
             sandbox.step(self.probe_actions()[0])
 
+    # timing: its step limit is a wall-clock bound (beside the full run's verl runs, a healthy SWE submit, grading in a
+    # fresh sandbox, once passed 10 s on both leaves of a tree)
+    @pytest.mark.timing
     def test_hang_fails_the_leaf_and_the_next_tree_proceeds(self) -> None:
         from verl_bpo.core.config import BPOConfig, FixedAllocation
         from verl_bpo.rollout.sampler import TreeSampler
