@@ -40,12 +40,25 @@ class ScriptedLLM:
         self.prompt_lengths.append(len(prompt_ids))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        return self.sample(self.rng, sampling_params)
+
+    def sample(self, rng: random.Random, sampling_params) -> Generation:
         actions, weights = zip(*self.probs.items())
-        action = self.rng.choices(actions, weights)[0]
+        action = rng.choices(actions, weights)[0]
         ids = [WORD_ID[w] for w in action.split()] + [WORD_ID["<eos>"]]
         per_token = math.log(self.probs[action]) / len(ids)
         ids = ids[: sampling_params.get("max_tokens", len(ids))]
         return Generation(ids, [per_token] * len(ids))
+
+
+class SeededLLM(ScriptedLLM):
+    """Fake LLM that honors a per-request ``seed`` in its sampling parameters, as vLLM does: a turn's sample is a
+    function of its seed alone, whichever requests came before it."""
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params):
+        self.request_ids.append(request_id)
+        self.prompt_lengths.append(len(prompt_ids))
+        return self.sample(random.Random(sampling_params["seed"]), sampling_params)
 
 
 class WordCodec:
@@ -121,6 +134,18 @@ class SlowSnapshotSmoke(CountingSmoke):
     def snapshot(self):
         time.sleep(0.01)
         return super().snapshot()
+
+
+class JitterySmoke(CountingSmoke):
+    """A step that takes 0-5 ms on a worker thread, drawn from ``rng``: as with real engines, the order in which a
+    tree's branches reach their nodes changes from run to run."""
+
+    blocking = True
+    rng = random.Random(0)
+
+    def step(self, action_text):
+        time.sleep(self.rng.uniform(0.0, 0.005))
+        return super().step(action_text)
 
 
 class UnrestorableSmoke(CountingSmoke):

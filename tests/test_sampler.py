@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import random
 import time
@@ -19,7 +20,9 @@ from tests.fakes import (
     CrashingSmoke,
     Generation,
     HangingSmoke,
+    JitterySmoke,
     ScriptedLLM,
+    SeededLLM,
     SlowSnapshotSmoke,
     UnrestorableSmoke,
     UnstartableSmoke,
@@ -396,6 +399,45 @@ def test_branches_deciding_while_a_fork_restores_stay_within_the_budget(shape):
         assert len(result.leaves) <= cap
         leaf_rows(result)  # masses and paths still make one tree
     assert SlowSnapshotSmoke.live == 0
+
+
+@pytest.mark.parametrize("allocation", ["learned", "fixed"])
+def test_seeded_trees_are_the_same_whichever_branch_reaches_its_node_first(allocation):
+    """With seeded turns a tree is a function of its seeds: its widths and amounts must not follow which branch's
+    sandbox answered first (the budget's pool of unspent tokens, the plan's rounding draws and the leaf cap go to
+    whoever asks first). Steps take a random 0-5 ms on worker threads, drawn differently in each run of the same
+    16 trees. The learned plan is taught a task decided by its last turn, so it forks late, where paths that
+    already won hand their unspent tokens on."""
+    from tests.test_allocation import walk_then_door
+
+    if allocation == "learned":
+        config = BPOConfig(mode="tree", allocation="learned", max_turns=8,
+                           learned={"budget_unit": "tokens", "warmup_trees": 0, "explore_share": 0.0,
+                                    "max_leaves": 16})
+    else:
+        config = BPOConfig(mode="tree", max_turns=8, fixed={"selector": "quantile", "k": 2})
+
+    def trees(jitter_seed):
+        JitterySmoke.rng.seed(jitter_seed)
+        policy, out = ForkPolicy(config), []
+        for record in walk_then_door():
+            policy.learn(record)
+        for i in range(16):
+            sampler = TreeSampler(config, 4, 256, JitterySmoke, TASK, SeededLLM(), WordCodec(), tree_id=f"t{i}",
+                                  seed=i, policy=policy, seeded_turns=True, root_budget=96.0)
+            result = asyncio.run(sampler.run())
+            # node ids count nodes as they are made, so a tree is compared by what does not name them: each leaf's
+            # tokens, its mass, and how many leaves pass through each node on its path
+            through = collections.Counter(node for leaf in result.leaves for node in leaf.meta.node_path)
+            out.append(sorted((tuple(leaf.transcript.token_ids), leaf.meta.leaf_mass,
+                               tuple(through[node] for node in leaf.meta.node_path)) for leaf in result.leaves))
+        return out
+
+    first = trees(0)
+    # most trees fork below their roots: a node past the root that two or more leaves pass through
+    assert sum(any(max(through[1:]) > 1 for _, _, through in leaves) for leaves in first) >= 8
+    assert trees(1) == first and trees(2) == first
+    assert JitterySmoke.live == 0
 
 
 # --- a step that crashes or hangs is retried from the state before it (bpo.step_retries) ------------------------

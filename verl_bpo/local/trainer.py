@@ -19,8 +19,9 @@ and replaces only the serving and sharding machinery:
 
 Rollouts are reproducible: every tree's seed is a function of the run's seed, the update, the tree's place in the
 batch and whether it trains or evaluates, and its turns are sampled with seeds derived from it (the sampler's
-``seeded_turns``), so a flat group is the same whenever its sandboxes answer. Runs of different estimators on one
-seed share their draws where their policies agree (common random numbers: at the warm start, the same rollouts).
+``seeded_turns``, under which a forking tree also grows in waves), so a rollout, flat group or tree, is the same
+whenever its sandboxes answer. Runs of different estimators on one seed share their draws where their policies agree
+(common random numbers: at the warm start, the same rollouts).
 
 The CPU demo (``python -m verl_bpo.demo``) runs the same comparison through verl's real trainer, on one seed.
 """

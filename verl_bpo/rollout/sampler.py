@@ -16,17 +16,20 @@ baseline). Then every branch, at each node it reaches:
 Each of these budget events reaches the plan's budget through one helper, :meth:`TreeSampler._tell`, the only
 place a branch's amount changes.
 
-Branches run concurrently at their own pace (generation and sandbox steps of different branches overlap); only
-the fixed rule's ``topB_wave`` selector, which ranks the candidates of a whole wave, grows the tree in waves.
+Branches run concurrently at their own pace (generation and sandbox steps of different branches overlap), except
+where a plan needs the whole wave or the run asks for reproducible trees: the fixed rule's ``topB_wave`` selector,
+which ranks the candidates of a whole wave, and every tree with ``seeded_turns`` grow in waves (every live branch
+takes one turn, then all decide in the tree's branch order).
 
 When the tree is done the policy learns from it (the profile of a learned allocation).
 
 Randomness is per branch: each branch carries its own seed (the root's from the tree's, each fork's children's
 from their parent's), and its sandboxes' re-seeding (and, with ``seeded_turns``, its turns' sampling seeds) derive
 from it and its depth, never from one generator that concurrent branches draw from in whatever order their sandboxes
-and the server answer. With ``seeded_turns`` on an engine that honors per-request seeds, a flat group is then the same
-whatever the latencies; a learned tree's widths and budget shares still follow the order in which its branches reach
-their nodes.
+and the server answer. With ``seeded_turns`` on an engine that honors per-request seeds, a tree is then the same
+whatever the latencies: a flat group by its seeds alone, and a forking tree because it grows in waves, since
+branches deciding at their own pace would hand the budget's pool, the plan's rounding draws and the leaf cap to
+whichever branch's sandbox answered first.
 
 One request id per tree gives the LLM server sticky routing, so siblings hit the same prefix cache. A sandbox step
 that crashes or hangs past ``bpo.step_timeout_s`` is retried (``bpo.step_retries`` times) on a fresh sandbox rebuilt
@@ -104,7 +107,8 @@ class TreeSampler:
         seeded_turns: give every generation a ``seed`` in its sampling parameters, derived from its branch's seed
             and depth, so that a turn's sample depends on neither the batch the server put it in nor the order in
             which concurrent branches asked (for engines that honor per-request seeds: vLLM, the in-process
-            :class:`~verl_bpo.local.hf_client.BatchedHFClient`).
+            :class:`~verl_bpo.local.hf_client.BatchedHFClient`); a forking tree then grows in waves (module
+            docstring), so its shape is the same however long its sandboxes take.
     """
 
     RESET_ATTEMPTS = 2  # a reset that fails twice on fresh sandboxes is not transient: the tree becomes failed leaves
@@ -146,7 +150,7 @@ class TreeSampler:
                 return await self._unstarted_tree(started)
             root = await self._root_branch(*started)
             self.tree.branches = [root, *await self._fork(root, plan.root_width)]
-            if plan.waves:
+            if plan.waves or (self.seeded_turns and plan.kind != "flat"):
                 await self._grow_in_waves()
             else:
                 await self._grow_branches(self.tree.branches)
@@ -157,7 +161,9 @@ class TreeSampler:
         return dataclasses.replace(self._result(), record=record)
 
     async def _grow_in_waves(self) -> None:
-        """Every live branch advances one turn per wave: a plan that ranks a wave's candidates sees them all."""
+        """Every live branch advances one turn per wave, and the wave's branches are told and decide in the tree's
+        branch order: a plan that ranks a wave's candidates sees them all, and no amount or width depends on which
+        branch's sandbox answered first."""
         while active := self.tree.active():
             for branch in active:
                 self._tell("node", branch)
