@@ -53,11 +53,15 @@ class ScriptedLLM:
 
 class SeededLLM(ScriptedLLM):
     """Fake LLM that honors a per-request ``seed`` in its sampling parameters, as vLLM does: a turn's sample is a
-    function of its seed alone, whichever requests came before it."""
+    function of its seed alone, whichever requests came before it. Each answer takes a random 0-2 ms, drawn from
+    ``jitter``, so concurrent requests come back in another order on every run."""
+
+    jitter = random.Random(0)
 
     async def generate(self, request_id, *, prompt_ids, sampling_params):
         self.request_ids.append(request_id)
         self.prompt_lengths.append(len(prompt_ids))
+        await asyncio.sleep(self.jitter.uniform(0.0, 0.002))
         return self.sample(random.Random(sampling_params["seed"]), sampling_params)
 
 

@@ -171,6 +171,43 @@ def test_a_flat_group_is_the_same_whenever_its_sandboxes_answer(model_dir, monke
     assert len(set(first)) > 1 and turns() == first and turns() == first
 
 
+@pytest.mark.slow
+def test_what_a_batch_teaches_the_fork_policy_does_not_follow_which_tree_finished_first(model_dir, monkeypatch):
+    """Concurrent trees finish in the order their sandboxes answer; the policy must learn from them in task order
+    (as verl's trainer does from a batch), or the next batch's plans follow the latencies."""
+    import random
+
+    from sandbox_adapters.smoke import SmokeSandbox
+
+    jitter = random.Random()  # unseeded: the delays differ between the rollouts
+    step = SmokeSandbox.step
+
+    def late_step(self, action):
+        time.sleep(jitter.uniform(0.0, 0.03))
+        return step(self, action)
+
+    monkeypatch.setattr(SmokeSandbox, "step", late_step)
+    monkeypatch.setattr(SmokeSandbox, "blocking", True)
+    learned = {**PATHS, "allocation": "learned", "learned": {"budget_unit": "tokens", "warmup_trees": 2,
+                                                              "max_leaves": 8}}
+
+    def taught():
+        trainer = make_trainer(model_dir, "bpo", bpo=learned)
+        results = trainer.rollout([{"task_id": t} for t in range(4)])
+        turns = [tuple(leaf.transcript.response_ids) for r in results for leaf in r.leaves]
+        state = trainer.policies["bpo"].state_dict()
+        assert state["trees_learned"] == 4
+        # the profile's sums in the order learned; a turn's log-probabilities move in their last digits with the
+        # requests it was batched with, so its uncertainty is compared to 1e-6 (an order's difference is ~1e-2)
+        return turns, np.concatenate([np.ravel(v) for v in state["profile"].values()])
+
+    turns, profile = taught()
+    for _ in range(2):
+        again, again_profile = taught()
+        assert again == turns
+        np.testing.assert_allclose(again_profile, profile, rtol=1e-6)
+
+
 @pytest.mark.timing  # gaps between the loop's ticks, in wall-clock seconds
 def test_the_event_loop_runs_while_a_wave_generates():
     """Sandbox calls and their time limits live on the event loop: a long ``generate`` must not hold it (a wave

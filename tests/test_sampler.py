@@ -405,8 +405,8 @@ def test_branches_deciding_while_a_fork_restores_stay_within_the_budget(shape):
 def test_seeded_trees_are_the_same_whichever_branch_reaches_its_node_first(allocation):
     """With seeded turns a tree is a function of its seeds: its widths and amounts must not follow which branch's
     sandbox answered first (the budget's pool of unspent tokens, the plan's rounding draws and the leaf cap go to
-    whoever asks first). Steps take a random 0-5 ms on worker threads, drawn differently in each run of the same
-    16 trees. The learned plan is taught a task decided by its last turn, so it forks late, where paths that
+    whoever asks first), nor its node ids on which generation came back first. Steps take a random 0-5 ms on worker
+    threads and generations 0-2 ms, drawn differently in each run of the same 16 trees. The learned plan is taught a task decided by its last turn, so it forks late, where paths that
     already won hand their unspent tokens on."""
     from tests.test_allocation import walk_then_door
 
@@ -419,6 +419,7 @@ def test_seeded_trees_are_the_same_whichever_branch_reaches_its_node_first(alloc
 
     def trees(jitter_seed):
         JitterySmoke.rng.seed(jitter_seed)
+        SeededLLM.jitter.seed(jitter_seed)
         policy, out = ForkPolicy(config), []
         for record in walk_then_door():
             policy.learn(record)
@@ -426,16 +427,14 @@ def test_seeded_trees_are_the_same_whichever_branch_reaches_its_node_first(alloc
             sampler = TreeSampler(config, 4, 256, JitterySmoke, TASK, SeededLLM(), WordCodec(), tree_id=f"t{i}",
                                   seed=i, policy=policy, seeded_turns=True, root_budget=96.0)
             result = asyncio.run(sampler.run())
-            # node ids count nodes as they are made, so a tree is compared by what does not name them: each leaf's
-            # tokens, its mass, and how many leaves pass through each node on its path
-            through = collections.Counter(node for leaf in result.leaves for node in leaf.meta.node_path)
-            out.append(sorted((tuple(leaf.transcript.token_ids), leaf.meta.leaf_mass,
-                               tuple(through[node] for node in leaf.meta.node_path)) for leaf in result.leaves))
+            out.append([(leaf.meta.node_path, tuple(leaf.transcript.token_ids), leaf.meta.leaf_mass)
+                        for leaf in result.leaves])
         return out
 
     first = trees(0)
     # most trees fork below their roots: a node past the root that two or more leaves pass through
-    assert sum(any(max(through[1:]) > 1 for _, _, through in leaves) for leaves in first) >= 8
+    forked = [collections.Counter(node for path, _, _ in leaves for node in path[1:]) for leaves in first]
+    assert sum(max(count.values()) > 1 for count in forked) >= 8
     assert trees(1) == first and trees(2) == first
     assert JitterySmoke.live == 0
 

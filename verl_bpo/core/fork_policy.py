@@ -478,11 +478,13 @@ class ForkPolicy:
             return None
         return rollout_n * cost[unit] * self.profile.episode_cost(unit) / cost[f"sandbox_{unit}"]
 
-    def finish_tree(self, plan: Plan, record: TreeRecord | None = None) -> TreeRecord:
+    def finish_tree(self, plan: Plan, record: TreeRecord | None = None, learn: bool = True) -> TreeRecord:
         """``record`` of a tree grown by ``plan``, completed with what the plan knows; the policy learns from it
-        and returns it (the record a worker hands the run's one policy)."""
+        (unless ``learn`` is false: the caller teaches it later) and returns it (the record a worker hands the
+        run's one policy)."""
         record = plan.completed(record if record is not None else TreeRecord((), (), (), {}, {}))
-        self.learn(record)
+        if learn:
+            self.learn(record)
         return record
 
     def learn(self, record: TreeRecord) -> None:

@@ -19,8 +19,9 @@ and replaces only the serving and sharding machinery:
 
 Rollouts are reproducible: every tree's seed is a function of the run's seed, the update, the tree's place in the
 batch and whether it trains or evaluates, and its turns are sampled with seeds derived from it (the sampler's
-``seeded_turns``, under which a forking tree also grows in waves), so a rollout, flat group or tree, is the same
-whenever its sandboxes answer. Runs of different estimators on one seed share their draws where their policies agree
+``seeded_turns``, under which a forking tree also grows in waves), and the fork policy learns from a batch's trees in
+task order, so a rollout, flat group or tree, is the same whenever its sandboxes answer (barring a step that times out:
+its retry follows the latency). Runs of different estimators on one seed share their draws where their policies agree
 (common random numbers: at the warm start, the same rollouts).
 
 The CPU demo (``python -m verl_bpo.demo``) runs the same comparison through verl's real trainer, on one seed.
@@ -148,12 +149,17 @@ class LocalRL:
                             lambda: make_sandbox(self.sandbox, self.sandbox_config), task, self.client, self.codec,
                             tree_id=f"s{self.seed}-u{self.updates}-t{i}", policy=policy,
                             seed=derive_seed(self.seed, stream, self.updates, i),
-                            root_budget=None if budgets is None else budgets[i], seeded_turns=True)
+                            root_budget=None if budgets is None else budgets[i], seeded_turns=True,
+                            policy_learns=False)
                 for i, task in enumerate(tasks)
             ]
             return list(await asyncio.gather(*(s.run() for s in samplers)))
 
-        return asyncio.run(grow_all())
+        results = asyncio.run(grow_all())
+        for result in results:  # in task order, as verl's trainer learns from a batch: not in the order trees finished
+            if result.record is not None:
+                policy.learn(result.record)
+        return results
 
     def evaluate(self, tasks: Sequence[Mapping[str, Any]], episodes_per_task: int = 2) -> float:
         """Success rate of independent sampled episodes (flat groups) on ``tasks``."""

@@ -18,8 +18,8 @@ place a branch's amount changes.
 
 Branches run concurrently at their own pace (generation and sandbox steps of different branches overlap), except
 where a plan needs the whole wave or the run asks for reproducible trees: the fixed rule's ``topB_wave`` selector,
-which ranks the candidates of a whole wave, and every tree with ``seeded_turns`` grow in waves (every live branch
-takes one turn, then all decide in the tree's branch order).
+which ranks the candidates of a whole wave, and every forking tree with ``seeded_turns`` grow in waves (the live
+branches take one turn each, then all decide in the tree's branch order).
 
 When the tree is done the policy learns from it (the profile of a learned allocation).
 
@@ -49,7 +49,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any, Literal
 
 from sandbox_adapters.base import Observation, Sandbox, Snapshot, SnapshotKind, StepResult
@@ -83,6 +83,17 @@ class _Unstarted:
     system_prompt: str
 
 
+async def _together(coroutines: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coroutines`` concurrently; the first error cancels the others (none runs on after the tree closes its
+    sandboxes) and is raised as itself."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for coroutine in coroutines:
+                group.create_task(coroutine)
+    except BaseExceptionGroup as errors:
+        raise errors.exceptions[0] from None
+
+
 class TreeSampler:
     """Grows one tree. Create one per task (per verl uid) and ``await run()`` once.
 
@@ -109,6 +120,9 @@ class TreeSampler:
             which concurrent branches asked (for engines that honor per-request seeds: vLLM, the in-process
             :class:`~verl_bpo.local.hf_client.BatchedHFClient`); a forking tree then grows in waves (module
             docstring), so its shape is the same however long its sandboxes take.
+        policy_learns: the policy learns from the tree as it finishes; ``False``: the caller teaches it from
+            ``TreeResult.record`` (:class:`~verl_bpo.local.trainer.LocalRL` does, in task order, so that what a
+            batch of concurrent trees teaches does not depend on which finished first).
     """
 
     RESET_ATTEMPTS = 2  # a reset that fails twice on fresh sandboxes is not transient: the tree becomes failed leaves
@@ -117,7 +131,7 @@ class TreeSampler:
                  task: Mapping[str, Any], llm: LLMClient, codec: ChatCodec, *, tree_id: str,
                  sampling_params: Mapping[str, Any] | None = None, policy: ForkPolicy | None = None,
                  seed: int = 0, root_budget: float | None = None, task_key: str | None = None,
-                 unique_request_ids: bool = False, seeded_turns: bool = False) -> None:
+                 unique_request_ids: bool = False, seeded_turns: bool = False, policy_learns: bool = True) -> None:
         self.config = config
         self.rollout_n = rollout_n
         self.response_length = response_length
@@ -127,6 +141,7 @@ class TreeSampler:
         self.request_id = f"bpo-{tree_id}"  # one id per tree: sticky routing to one server's prefix cache
         self.unique_request_ids = unique_request_ids
         self.seeded_turns = seeded_turns
+        self.policy_learns = policy_learns
         self.generations = 0
         self.sampling_params = dict(sampling_params or {})
         self.policy = policy if policy is not None else ForkPolicy(config)
@@ -157,7 +172,7 @@ class TreeSampler:
         finally:
             await asyncio.gather(*(self._close(b) for b in self.tree.open_sandboxes()))
             self.tree.wall_s = time.perf_counter() - start
-        record = self.policy.finish_tree(plan, self.tree.record(self.task_key))
+        record = self.policy.finish_tree(plan, self.tree.record(self.task_key), learn=self.policy_learns)
         return dataclasses.replace(self._result(), record=record)
 
     async def _grow_in_waves(self) -> None:
@@ -168,9 +183,9 @@ class TreeSampler:
             for branch in active:
                 self._tell("node", branch)
             if self.config.anticipating:  # the biased ablation draws the kept turn before deciding
-                await asyncio.gather(*(self._draw_pending(b) for b in active))
+                await _together(self._draw_pending(b) for b in active)
             await self._decide([b for b in active if b.node != 0])
-            await asyncio.gather(*(self._act(b) for b in active))
+            await _together(self._act(b) for b in active)
             for branch in active:
                 if branch.done:
                     self._tell("end", branch)
@@ -378,6 +393,9 @@ class TreeSampler:
 
     async def _act(self, branch: Branch) -> None:
         """One turn: generate (or take the pending draw), step the sandbox, append the observation."""
+        # The turn's node is named before anything awaits: in a wave, ids then follow the tree's branch order, not
+        # the order in which generations come back.
+        node = self.tree.new_node()
         token_ids, log_probs = branch.pending if branch.pending is not None else await self._generate(branch)
         branch.pending = None
         self._tell("turn", branch, tokens=len(token_ids))
@@ -385,7 +403,7 @@ class TreeSampler:
         text = await self.codec.add_assistant(transcript, token_ids, log_probs)
         # The codec appends the generated tokens last (it may add or trim boundary tokens before them).
         transcript.turn_starts.append(len(transcript.response_mask) - len(token_ids))
-        node = self.tree.new_turn(token_ids, log_probs)
+        self.tree.add_turn(node, token_ids, log_probs)
         branch.node, branch.depth, branch.since_fork = node, branch.depth + 1, branch.since_fork + 1
         branch.node_path.append(node)
         branch.last_turn_surprisal = mean_surprisal(log_probs)

@@ -198,14 +198,12 @@ class TreeState:
         node, self.next_node = self.next_node, self.next_node + 1
         return node
 
-    def new_turn(self, token_ids: list[int], log_probs: list[float]) -> int:
-        """The node a generated turn leads into, with what the turn cost and how uncertain it was."""
-        node = self.new_node()
+    def add_turn(self, node: int, token_ids: list[int], log_probs: list[float]) -> None:
+        """The generated turn that leads into ``node``: what it cost and how uncertain it was."""
         self.generated_tokens += len(token_ids)
         self.turn_tokens[node] = float(len(token_ids))
         self.turn_uncertainty[node] = (sum(1.0 - math.exp(lp) for lp in log_probs) / len(log_probs)
                                        if log_probs else 0.0)
-        return node
 
     def record(self, task_key: str | None = None) -> TreeRecord:
         """What the finished tree tells the fork policy (the plan completes it: ``ForkPolicy.finish_tree``)."""
