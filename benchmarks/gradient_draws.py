@@ -13,10 +13,13 @@ the learning benchmark's own ``gradient_draws``:
   after the learning benchmark's warm-up batches), whose ``tr Cov`` × generated tokens per batch is set against
   ``A``'s as the learning benchmark does (``grad_var_bpo_over_rloo``, CI95 bootstrap over draws), and the same
   ratio of ``tr Cov`` estimated as the median of 8 blocks' (``grad_var_mom_bpo_over_rloo``): one far batch can
-  carry the plain ratio (on ``real_late``'s warm start one BPO batch held 85% of its ``tr Cov``), not this one.
+  carry the plain ratio (on ``real_late``'s warm start one BPO batch held 85% of its ``tr Cov``), not this one;
+* ``BPO_jittered`` (``--sets`` only): BPO's draws again with every sandbox step waiting a further 0-``--jitter-ms``
+  ms on a worker thread (``learning.late_steps``; sandboxes that run in the drawing process, the signpost tasks):
+  the same batches, if a tree depends only on its seeds and not on which branch's sandbox answered first.
 
     python benchmarks/gradient_draws.py [--task real_early] [--draws 64] [--bpo] [--sets A BPO] [--workers 2]
-        [--out runs/learning]
+        [--jitter-ms 20] [--out runs/learning]
 
 ``--sets`` draws only the sets named (``A`` and ``BPO`` suffice for the BPO/RLOO ratio); a statistic whose sets
 were not drawn is left out. The Gram matrices are saved to ``OUT/gradient_draws_<task>_<draws>_<sets>.npz`` (one
@@ -28,9 +31,9 @@ median-of-blocks ``trace_cov_mom``, generated tokens per batch, the trees' mean 
 1 when every leaf weighs alike), and ``norm_sq_max_over_median`` (the largest draw's squared norm over the median's:
 one draw far out would carry ``tr Cov`` and the signal-to-noise with it); with ``A`` and ``A_uncached``
 ``gram_max_rel_diff`` (``max |G_A − G_A_uncached| / max |G_A|``: 0 up to floating point when the draws reproduce,
-target < 1e-3), with ``A`` and ``B`` ``snr_b_over_a`` and ``snr_cis_overlap``, with ``A`` and ``BPO``
-``grad_var_bpo_over_rloo`` and ``grad_var_mom_bpo_over_rloo`` with their CI95s (``grad_var_ci95``,
-``grad_var_mom_ci95``), and ``wall_s``.
+target < 1e-3), with ``BPO`` and ``BPO_jittered`` the same for them (``jittered_gram_max_rel_diff``), with ``A`` and
+``B`` ``snr_b_over_a`` and ``snr_cis_overlap``, with ``A`` and ``BPO`` ``grad_var_bpo_over_rloo`` and
+``grad_var_mom_bpo_over_rloo`` with their CI95s (``grad_var_ci95``, ``grad_var_mom_ci95``), and ``wall_s``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ SETS = {"A": {"estimator": "rloo", "seed": 0, "cache": True},
         "A_uncached": {"estimator": "rloo", "seed": 0, "cache": False},
         "B": {"estimator": "rloo", "seed": 1, "cache": True}}
 BPO_SET = {"BPO": {"estimator": "bpo", "seed": 0, "cache": True}}
+JITTERED_SET = {"BPO_jittered": {"estimator": "bpo", "seed": 0, "cache": True, "jittered": True}}
 
 
 def main() -> None:
@@ -55,7 +59,8 @@ def main() -> None:
     parser.add_argument("--task", default="real_early", choices=list(BENCHMARK_TASKS))
     parser.add_argument("--draws", type=int, default=64)
     parser.add_argument("--bpo", action="store_true", help="also draw BPO's batch gradients (set BPO)")
-    parser.add_argument("--sets", nargs="+", choices=[*SETS, *BPO_SET], help="draw only these sets")
+    parser.add_argument("--sets", nargs="+", choices=[*SETS, *BPO_SET, *JITTERED_SET], help="draw only these sets")
+    parser.add_argument("--jitter-ms", type=float, default=20.0, help="the most a step of set BPO_jittered waits")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     args = parser.parse_args()
@@ -63,13 +68,13 @@ def main() -> None:
         parser.error("--bpo adds BPO to the default sets; with --sets, name BPO among them instead")
     start = time.monotonic()
     task, model_dir = task_at_warm_start(args.task, args.out.resolve())
-    every = {**SETS, **BPO_SET}
+    every = {**SETS, **BPO_SET, **JITTERED_SET}
     names = args.sets or [*SETS, *(BPO_SET if args.bpo else ())]
     sets = {name: kw for name, kw in every.items() if name in names}
     with worker_pool(args.workers) as pool:
         futures = {name: pool.submit(gradient_draws, model_dir, task, kw["estimator"], args.draws,
                                      GRAD_WARMUP if kw["estimator"] == "bpo" else 0, tree_settings(), seed=kw["seed"],
-                                     cache=kw["cache"])
+                                     cache=kw["cache"], jitter_ms=args.jitter_ms if kw.get("jittered") else 0.0)
                    for name, kw in sets.items()}
         draws = {name: future.result() for name, future in futures.items()}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -86,9 +91,11 @@ def main() -> None:
                         "tokens_per_batch": round(tokens, 1), "leaf_mass_factor": round(mass_factor, 3),
                         "norm_sq_max_over_median": round(float(norms.max() / np.median(norms)), 2)}
         print(f"{name}: SNR {snr:.3f} CI95 {result[name]['snr_ci95']}, tr Cov {cov:.4g}", flush=True)
-    if {"A", "A_uncached"} <= sets.keys():
-        a, a_uncached = draws["A"][0], draws["A_uncached"][0]
-        result["gram_max_rel_diff"] = float(f"{np.abs(a - a_uncached).max() / np.abs(a).max():.3g}")
+    for (first, second), key in {("A", "A_uncached"): "gram_max_rel_diff",
+                                  ("BPO", "BPO_jittered"): "jittered_gram_max_rel_diff"}.items():
+        if {first, second} <= sets.keys():
+            g, h = draws[first][0], draws[second][0]
+            result[key] = float(f"{np.abs(g - h).max() / np.abs(g).max():.3g}")
     if {"A", "B"} <= sets.keys():
         (lo_a, hi_a), (lo_b, hi_b) = result["A"]["snr_ci95"], result["B"]["snr_ci95"]
         result.update(snr_b_over_a=round(result["B"]["snr"] / result["A"]["snr"], 3),

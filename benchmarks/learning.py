@@ -88,6 +88,7 @@ applicable: task not noise-limited"``. Targets (the paper's): on late-decision f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -234,28 +235,59 @@ def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: 
 
 
 def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, warmup: int,
-                   tree: dict, seed: int = 0, cache: bool = True) -> tuple[np.ndarray, float, float]:
+                   tree: dict, seed: int = 0, cache: bool = True, jitter_ms: float = 0.0
+                   ) -> tuple[np.ndarray, float, float]:
     """The Gram matrix of ``draws`` batch gradients at the warm-start policy, the mean tokens per batch, and the
     trees' mean ``bpo/leaf_mass_factor`` (1 for flat groups).
     ``seed`` seeds the draws' trees (the same seed draws the same batches); ``cache``: the
-    client's prefix cache on (off: every turn prefills its whole chat)."""
+    client's prefix cache on (off: every turn prefills its whole chat); ``jitter_ms``: each sandbox step waits a
+    further 0-``jitter_ms`` ms on a worker thread (:func:`late_steps`)."""
     rl = trainer(model_dir, task, estimator, seed, tree)
     if not cache:
         rl.client.cache.max_tokens = 0
     tasks = task.tasks(task.train_ids)[:task.batch]
     rows, tokens, mass_factors = [], [], []
-    for d in range(warmup + draws):
-        # A fresh tree seed per draw (the weights never change); measured draw k takes update k's seeds whatever the
-        # warm-up, so that BPO's and RLOO's draw k share their common random numbers and pair in the bootstrap.
-        rl.updates = d - warmup
-        results = rl.rollout(tasks)
-        if d < warmup:  # BPO's profile learns from these trees; they are not measured
-            continue
-        rl.gradient(results)
-        rows.append(rl.flat_gradient())
-        tokens.append(sum(r.metrics["bpo/generated_tokens"] for r in results))
-        mass_factors += [r.metrics["bpo/leaf_mass_factor"] for r in results]
+    with late_steps(task.sandbox, jitter_ms) if jitter_ms > 0 else contextlib.nullcontext():
+        for d in range(warmup + draws):
+            # A fresh tree seed per draw (the weights never change); measured draw k takes update k's seeds whatever
+            # the warm-up, so that BPO's and RLOO's draw k share their common random numbers and pair in the
+            # bootstrap.
+            rl.updates = d - warmup
+            results = rl.rollout(tasks)
+            if d < warmup:  # BPO's profile learns from these trees; they are not measured
+                continue
+            rl.gradient(results)
+            rows.append(rl.flat_gradient())
+            tokens.append(sum(r.metrics["bpo/generated_tokens"] for r in results))
+            mass_factors += [r.metrics["bpo/leaf_mass_factor"] for r in results]
     return gram_matrix(rows), float(np.mean(tokens)), float(np.mean(mass_factors))
+
+
+@contextlib.contextmanager
+def late_steps(sandbox: str, jitter_ms: float, seed: int = 0) -> Iterator[None]:
+    """While inside, every step of sandbox ``sandbox`` waits a further 0-``jitter_ms`` ms (uniform, from ``seed``'s
+    generator) and runs on a worker thread, as a slow engine's steps do, so concurrent branches answer in another
+    order: a diagnostic that the draws do not follow latencies. It patches the sandbox class in this process, so it
+    reaches sandboxes that run here (the signpost tasks), not those in engine processes."""
+    from sandbox_adapters.registry import get_sandbox_cls
+
+    cls = get_sandbox_cls(sandbox)
+    own = {name: cls.__dict__[name] for name in ("step", "blocking") if name in cls.__dict__}
+    step, rng = cls.step, random.Random(seed)
+
+    def late_step(self, action_text):
+        time.sleep(rng.uniform(0.0, jitter_ms / 1000))
+        return step(self, action_text)
+
+    cls.step, cls.blocking = late_step, True
+    try:
+        yield
+    finally:
+        for name in ("step", "blocking"):
+            if name in own:
+                setattr(cls, name, own[name])
+            else:
+                delattr(cls, name)
 
 
 def gram_matrix(rows: Sequence[np.ndarray]) -> np.ndarray:

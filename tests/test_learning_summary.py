@@ -294,3 +294,23 @@ def test_a_real_engine_task_trains_on_the_games_under_its_output_directory(tmp_p
     assert real.response_length > learning.BENCHMARK_TASKS["hard_late"].response_length
     hard = learning.runnable(learning.BENCHMARK_TASKS["hard_late"], tmp_path)
     assert hard == learning.TASKS["hard_late"] and "games_dir" not in hard.sandbox_config
+
+
+def test_late_steps_make_a_sandboxs_steps_late_and_blocking_only_inside():
+    """``gradient_draws.py``'s ``BPO_jittered`` set: inside, every step waits (here 0-40 ms, so ten steps wait
+    0.2 s on average and at least 0.05 s with probability above 0.999) and is marked blocking, so the sampler runs
+    it on a worker thread; outside, the class is as it was."""
+    import time
+
+    from sandbox_adapters.smoke import SmokeSandbox
+
+    before = {name: vars(SmokeSandbox).get(name) for name in ("step", "blocking")}
+    with learning.late_steps("smoke", 40.0, seed=1):
+        assert SmokeSandbox.blocking is True
+        box = SmokeSandbox()
+        box.reset({"task_id": 0})
+        start = time.perf_counter()
+        for _ in range(10):
+            box.step("look")
+        assert time.perf_counter() - start > 0.05
+    assert {name: vars(SmokeSandbox).get(name) for name in ("step", "blocking")} == before

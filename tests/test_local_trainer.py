@@ -198,14 +198,14 @@ def test_what_a_batch_teaches_the_fork_policy_does_not_follow_which_tree_finishe
         state = trainer.policies["bpo"].state_dict()
         assert state["trees_learned"] == 4
         # the profile's sums in the order learned; a turn's log-probabilities move in their last digits with the
-        # requests it was batched with, so its uncertainty is compared to 1e-6 (an order's difference is ~1e-2)
+        # requests it was batched with, so the profile is compared to 1e-4 (another order moves it by ~1e-2)
         return turns, np.concatenate([np.ravel(v) for v in state["profile"].values()])
 
     turns, profile = taught()
     for _ in range(2):
         again, again_profile = taught()
         assert again == turns
-        np.testing.assert_allclose(again_profile, profile, rtol=1e-6)
+        np.testing.assert_allclose(again_profile, profile, rtol=1e-4, atol=1e-9)
 
 
 @pytest.mark.timing  # gaps between the loop's ticks, in wall-clock seconds

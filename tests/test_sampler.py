@@ -406,8 +406,8 @@ def test_seeded_trees_are_the_same_whichever_branch_reaches_its_node_first(alloc
     """With seeded turns a tree is a function of its seeds: its widths and amounts must not follow which branch's
     sandbox answered first (the budget's pool of unspent tokens, the plan's rounding draws and the leaf cap go to
     whoever asks first), nor its node ids on which generation came back first. Steps take a random 0-5 ms on worker
-    threads and generations 0-2 ms, drawn differently in each run of the same 16 trees. The learned plan is taught a task decided by its last turn, so it forks late, where paths that
-    already won hand their unspent tokens on."""
+    threads and generations 0-2 ms, drawn differently in each run of the same 16 trees. The learned plan is taught
+    a task decided by its last turn, so it forks late, where paths that already won hand their unspent tokens on."""
     from tests.test_allocation import walk_then_door
 
     if allocation == "learned":

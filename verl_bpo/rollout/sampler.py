@@ -21,15 +21,16 @@ where a plan needs the whole wave or the run asks for reproducible trees: the fi
 which ranks the candidates of a whole wave, and every forking tree with ``seeded_turns`` grow in waves (the live
 branches take one turn each, then all decide in the tree's branch order).
 
-When the tree is done the policy learns from it (the profile of a learned allocation).
+When the tree is done the policy learns from it (the profile of a learned allocation), unless the caller teaches it
+(``policy_learns=False``).
 
 Randomness is per branch: each branch carries its own seed (the root's from the tree's, each fork's children's
 from their parent's), and its sandboxes' re-seeding (and, with ``seeded_turns``, its turns' sampling seeds) derive
 from it and its depth, never from one generator that concurrent branches draw from in whatever order their sandboxes
 and the server answer. With ``seeded_turns`` on an engine that honors per-request seeds, a tree is then the same
-whatever the latencies: a flat group by its seeds alone, and a forking tree because it grows in waves, since
-branches deciding at their own pace would hand the budget's pool, the plan's rounding draws and the leaf cap to
-whichever branch's sandbox answered first.
+whatever the latencies: a flat group by its seeds alone (up to how its nodes are numbered), and a forking tree
+because it grows in waves, since branches deciding at their own pace would hand the budget's pool, the plan's
+rounding draws and the leaf cap to whichever branch's sandbox answered first.
 
 One request id per tree gives the LLM server sticky routing, so siblings hit the same prefix cache. A sandbox step
 that crashes or hangs past ``bpo.step_timeout_s`` is retried (``bpo.step_retries`` times) on a fresh sandbox rebuilt
