@@ -144,15 +144,15 @@ def test_a_seeded_request_samples_the_same_turn_alone_or_in_any_batch(model_dir)
     assert len({tuple(t) for t in sample([(0, s) for s in range(8)])}) > 1  # other seeds, other turns
 
 
-@pytest.mark.slow
-def test_a_flat_group_is_the_same_whenever_its_sandboxes_answer(model_dir, monkeypatch):
-    """Sandboxes that answer after random delays (as engine processes do) change which requests share a batch;
-    each group's turns must not change with them."""
+@pytest.fixture
+def late_smoke_steps(monkeypatch):
+    """Smoke sandboxes whose steps answer after a random 0-30 ms on worker threads (as engine processes do), from an
+    unseeded generator: the delays, and so the order branches and trees answer in, differ between rollouts."""
     import random
 
     from sandbox_adapters.smoke import SmokeSandbox
 
-    jitter = random.Random()  # unseeded: the delays differ between the two rollouts
+    jitter = random.Random()
     step = SmokeSandbox.step
 
     def late_step(self, action):
@@ -161,6 +161,12 @@ def test_a_flat_group_is_the_same_whenever_its_sandboxes_answer(model_dir, monke
 
     monkeypatch.setattr(SmokeSandbox, "step", late_step)
     monkeypatch.setattr(SmokeSandbox, "blocking", True)  # called on threads, so delays reorder the branches
+
+
+@pytest.mark.slow
+def test_a_flat_group_is_the_same_whenever_its_sandboxes_answer(model_dir, late_smoke_steps):
+    """Sandboxes that answer after random delays (as engine processes do) change which requests share a batch;
+    each group's turns must not change with them."""
     trainer = make_trainer(model_dir, "rloo")
 
     def turns():
@@ -172,22 +178,10 @@ def test_a_flat_group_is_the_same_whenever_its_sandboxes_answer(model_dir, monke
 
 
 @pytest.mark.slow
-def test_what_a_batch_teaches_the_fork_policy_does_not_follow_which_tree_finished_first(model_dir, monkeypatch):
+def test_what_a_batch_teaches_the_fork_policy_does_not_follow_which_tree_finished_first(model_dir,
+                                                                                      late_smoke_steps):
     """Concurrent trees finish in the order their sandboxes answer; the policy must learn from them in task order
     (as verl's trainer does from a batch), or the next batch's plans follow the latencies."""
-    import random
-
-    from sandbox_adapters.smoke import SmokeSandbox
-
-    jitter = random.Random()  # unseeded: the delays differ between the rollouts
-    step = SmokeSandbox.step
-
-    def late_step(self, action):
-        time.sleep(jitter.uniform(0.0, 0.03))
-        return step(self, action)
-
-    monkeypatch.setattr(SmokeSandbox, "step", late_step)
-    monkeypatch.setattr(SmokeSandbox, "blocking", True)
     learned = {**PATHS, "allocation": "learned", "learned": {"budget_unit": "tokens", "warmup_trees": 2,
                                                               "max_leaves": 8}}
 

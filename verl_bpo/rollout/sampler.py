@@ -46,11 +46,12 @@ and generation through any :class:`~verl_bpo.rollout.protocols.LLMClient`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from typing import Any, Literal
 
 from sandbox_adapters.base import Observation, Sandbox, Snapshot, SnapshotKind, StepResult
@@ -84,15 +85,22 @@ class _Unstarted:
     system_prompt: str
 
 
-async def _together(coroutines: Iterable[Coroutine[Any, Any, None]]) -> None:
-    """Run ``coroutines`` concurrently; the first error cancels the others (none runs on after the tree closes its
-    sandboxes) and is raised as itself."""
+@contextlib.asynccontextmanager
+async def _branch_tasks() -> AsyncIterator[asyncio.TaskGroup]:
+    """A task group for a tree's branches: the first error (e.g. a misconfigured server) cancels the others, so none
+    runs on after the tree closes its sandboxes, and is the tree's error, raised as itself."""
     try:
         async with asyncio.TaskGroup() as group:
-            for coroutine in coroutines:
-                group.create_task(coroutine)
+            yield group
     except BaseExceptionGroup as errors:
         raise errors.exceptions[0] from None
+
+
+async def _together(coroutines: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coroutines`` concurrently in one :func:`_branch_tasks` group."""
+    async with _branch_tasks() as group:
+        for coroutine in coroutines:
+            group.create_task(coroutine)
 
 
 class TreeSampler:
@@ -194,12 +202,9 @@ class TreeSampler:
     async def _grow_branches(self, branches: list[Branch]) -> None:
         """Every branch goes its own pace, deciding at each node as it reaches it: no branch waits for a slower
         one, and generation and sandbox steps of different branches overlap."""
-        try:
-            async with asyncio.TaskGroup() as group:
-                for branch in branches:
-                    group.create_task(self._grow_branch(branch, group))
-        except BaseExceptionGroup as errors:  # one branch's error (e.g. a misconfigured server) is the tree's
-            raise errors.exceptions[0] from None
+        async with _branch_tasks() as group:
+            for branch in branches:
+                group.create_task(self._grow_branch(branch, group))
 
     async def _grow_branch(self, branch: Branch, group: asyncio.TaskGroup) -> None:
         while not branch.done:
