@@ -113,18 +113,23 @@ TREES = 4  # data.train_batch_size of the turn-budget runs: trees per step
 @pytest.fixture(scope="module")
 def late_setup(tmp_path_factory):
     """The CPU demo's late-decision task and warm-started model (a routine walk, the door last, picked at random
-    by the warm start): a turn budget buys many last-turn leaves."""
+    by the warm start). Each row gives its tree a budget of ``3N x max_turns`` turns (``extra_info.bpo_budget``):
+    every leaf the cap allows can walk a whole episode, so an allocated tree grows more than N leaves whatever
+    shape the four warm-up trees teach. With N flat episodes' worth, learned, the plan took N leaves or fewer when
+    the profile put the noise early (a LocalRL stand-in of this run: 1 in 30 seeds at 16 leaves in four trees, 4
+    more under 20; with the rows' budget all 30 grew 48)."""
     root = tmp_path_factory.mktemp("bpo_e2e_late")
     model = demo_tasks.task_model(root, LATE)
-    rows = sandbox_rows(LATE.sandbox, LATE.tasks(LATE.train_ids[:8]), LATE.sandbox_config)
+    tasks = LATE.tasks(LATE.train_ids[:8])
+    rows = sandbox_rows(LATE.sandbox, tasks, LATE.sandbox_config, budgets=[3 * N * LATE.max_turns] * len(tasks))
     data = write_sandbox_dataset(root / "data" / "train.parquet", rows)
     return root, model, data
 
 
 def test_a_turn_budget_tree_brings_every_leaf_into_verls_batch(late_setup):
-    """Learned allocation, turn budget: the trees may grow up to max_leaves = 3N leaves; the trainer runs one
-    agent-loop session per possible leaf (verl's __rollout_n__), verl trains on every row, and the loss divisor
-    follows the rows (batch_layout).
+    """Learned allocation, a turn budget from each row: the trees may grow up to max_leaves = 3N leaves; the trainer
+    runs one agent-loop session per possible leaf (verl's __rollout_n__), verl trains on every row, and the loss
+    divisor follows the rows (batch_layout).
 
     The run's one allocation state, on two agent-loop workers: step 1's four trees are the warm-up (exploration
     shape) wherever they grow, step 2's plan on the profile the trainer learned from all four; validation (two
@@ -165,7 +170,8 @@ def test_a_turn_budget_tree_brings_every_leaf_into_verls_batch(late_setup):
     # One state for both workers, learned from training trees only (validation's 16 episodes taught nothing).
     assert [metrics[s]["bpo/explore_tree"] for s in (1, 2)] == [1.0, 0.0]
     assert [metrics[s]["bpo/profile/trees_learned"] for s in (1, 2)] == [4.0, 8.0]
-    assert "bpo/budget" in metrics[2]
+    assert all(metrics[s]["bpo/budget"] == 3 * N * LATE.max_turns for s in (1, 2))
+    assert all(metrics[s]["bpo/budget_from_row"] == 1.0 for s in (1, 2))
 
     resumed = train(3, "trainer.resume_mode=auto")
     assert set(resumed) == {3}, f"the resumed run logged steps {sorted(resumed)}"
