@@ -461,6 +461,7 @@ def run_command(args: list[str], cwd: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.parametrize(
     "entry,overrides,message",
     [

@@ -527,6 +527,7 @@ class HangOnceSmoke(CountingSmoke):
         return super()._apply(action)
 
 
+@pytest.mark.timing  # a normal step must return within the 0.3 s limit, or it is retried too
 def test_a_hanging_step_is_retried_on_a_fresh_sandbox():
     HangOnceSmoke.hung = False
     result, _ = grow(tree(4, fixed={"k": 2, "k0": 2}, step_timeout_s=0.3, max_turns=4), sandbox_cls=HangOnceSmoke)

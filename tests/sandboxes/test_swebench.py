@@ -238,6 +238,7 @@ def test_memory_hog_is_stopped(tasks):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_infinite_loop_is_killed_and_the_sandbox_goes_on(tasks):
     with _sandbox(command_timeout_s=1.5) as sandbox:
         sandbox.reset(tasks[0])
@@ -250,6 +251,7 @@ def test_infinite_loop_is_killed_and_the_sandbox_goes_on(tasks):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.skipif(os.geteuid() != 0, reason="the process limit only binds a dedicated uid when run as root")
 def test_fork_bomb_is_contained(tasks):
     uid = 64_999  # a uid of its own, so that no other sandbox's processes count here

@@ -86,6 +86,7 @@ def test_no_network_read_only_root_and_only_the_image_is_visible(swe_docker_task
     assert f"{host_file}: No such file or directory" in writes and "ok\n65534" in writes, writes
 
 
+@pytest.mark.timing
 def test_a_runaway_command_is_killed_and_the_sandbox_goes_on(swe_docker_tasks):
     tasks, cache = swe_docker_tasks
     with _sandbox(cache, command_timeout_s=3.0) as sandbox:

@@ -186,6 +186,7 @@ def test_memory_snapshots_hold_only_what_changed(swe_backend):
             sandbox.snapshot()
 
 
+@pytest.mark.timing
 def test_close_during_a_running_step_kills_every_process_first(swe_backend):
     make, tasks = swe_backend
     marker = "sleep 387"

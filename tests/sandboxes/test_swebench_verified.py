@@ -278,6 +278,7 @@ def test_prepare_refuses_a_row_without_version(verified, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @needs_bwrap
 def test_prepare_then_grade_locally(verified, tmp_path):
     """``prepare`` completes the row; the sandbox grades the empty patch 0 and the gold patch 1."""
