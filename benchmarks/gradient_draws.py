@@ -17,12 +17,21 @@ the learning benchmark's own ``gradient_draws``:
 * ``BPO_jittered`` (``--sets`` only): BPO's draws again with every sandbox step waiting a further 0-``--jitter-ms``
   ms on a worker thread (``learning.late_steps``; sandboxes that run in the drawing process, the signpost tasks):
   the same batches, if a tree depends only on its seeds and not on which branch's sandbox answered first.
+* ``BPO_r4k2``, ``BPO_r2k4`` (``--sets`` only; signpost tasks whose door comes last): fixed shapes, to set the
+  allocation model's ranking of shapes against the measurement: the fixed rule (N leaves) with K0 root paths (4, 2),
+  each forked into K (2, 4) at depth ``length − 1``, the turn at which a walk without a wasted move stands at the
+  doors. Each set's ``tr Cov`` × tokens per batch against ``A``'s is ``grad_var_<set>_over_rloo`` (with ``_ci95``),
+  and ``predicted_<set>_over_rloo`` is what the allocation model says of the same ratio, from the depth profile that
+  BPO's trees teach at the warm start; ``predicted_learned_over_rloo`` is the model's figure for the shape the
+  learned allocation picks within RLOO's tokens (what set ``BPO`` grows, up to rounding and unspent budget).
 
     python benchmarks/gradient_draws.py [--task real_early] [--draws 64] [--bpo] [--sets A BPO] [--workers 2]
         [--jitter-ms 20] [--out runs/learning]
 
 ``--sets`` draws only the sets named (``A`` and ``BPO`` suffice for the BPO/RLOO ratio); a statistic whose sets
-were not drawn is left out. The Gram matrices are saved to ``OUT/gradient_draws_<task>_<draws>_<sets>.npz`` (one
+were not drawn is left out. ``--saved FILE`` reads the named sets that ``FILE`` (a saved ``.npz``, below) holds
+instead of drawing them again: the same seeds draw the same batches, so e.g. RLOO's ``A`` of an earlier run serves a
+new set's ratio (its first draws can be checked against a short fresh run). The Gram matrices are saved to ``OUT/gradient_draws_<task>_<draws>_<sets>.npz`` (one
 array per set, with its tokens per batch), so a recorded set can be read again with another statistic without
 drawing it again.
 
@@ -45,13 +54,17 @@ from pathlib import Path
 
 import numpy as np
 from learning import (BENCHMARK_TASKS, GRAD_WARMUP, bootstrap, gradient_draws, signal_to_noise, task_at_warm_start,
-                      trace_cov, trace_cov_median_of_means, tree_settings, variance_ratio, worker_pool)
+                      trace_cov, trace_cov_median_of_means, trainer, tree_settings, variance_ratio, worker_pool)
 
 SETS = {"A": {"estimator": "rloo", "seed": 0, "cache": True},
         "A_uncached": {"estimator": "rloo", "seed": 0, "cache": False},
         "B": {"estimator": "rloo", "seed": 1, "cache": True}}
 BPO_SET = {"BPO": {"estimator": "bpo", "seed": 0, "cache": True}}
 JITTERED_SET = {"BPO_jittered": {"estimator": "bpo", "seed": 0, "cache": True, "jittered": True}}
+FIXED_SHAPES = {"BPO_r4k2": (4, 2), "BPO_r2k4": (2, 4)}  # K0 root paths, each forked into K where the door is
+FIXED_SETS = {name: {"estimator": "bpo", "seed": 0, "cache": True, "shape": shape}
+              for name, shape in FIXED_SHAPES.items()}
+PROFILE_BATCHES = 32  # BPO batches after its warm-up whose trees teach the profile of the model's predictions
 
 
 def main() -> None:
@@ -59,36 +72,49 @@ def main() -> None:
     parser.add_argument("--task", default="real_early", choices=list(BENCHMARK_TASKS))
     parser.add_argument("--draws", type=int, default=64)
     parser.add_argument("--bpo", action="store_true", help="also draw BPO's batch gradients (set BPO)")
-    parser.add_argument("--sets", nargs="+", choices=[*SETS, *BPO_SET, *JITTERED_SET], help="draw only these sets")
+    parser.add_argument("--sets", nargs="+", choices=[*SETS, *BPO_SET, *JITTERED_SET, *FIXED_SETS],
+                        help="draw only these sets")
     parser.add_argument("--jitter-ms", type=float, default=20.0, help="the most a step of set BPO_jittered waits")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
+    parser.add_argument("--saved", type=Path, help="a saved .npz whose sets (of --draws draws) are read, not drawn")
     args = parser.parse_args()
     if args.bpo and args.sets:
         parser.error("--bpo adds BPO to the default sets; with --sets, name BPO among them instead")
     start = time.monotonic()
-    task, model_dir = task_at_warm_start(args.task, args.out.resolve())
-    every = {**SETS, **BPO_SET, **JITTERED_SET}
+    every = {**SETS, **BPO_SET, **JITTERED_SET, **FIXED_SETS}
     names = args.sets or [*SETS, *(BPO_SET if args.bpo else ())]
     sets = {name: kw for name, kw in every.items() if name in names}
+    shapes = {name: kw["shape"] for name, kw in sets.items() if "shape" in kw}
+    task = BENCHMARK_TASKS[args.task]
+    if shapes and (task.sandbox != "signpost" or task.sandbox_config.get("decide_at", "end") != "end"):
+        parser.error(f"--sets {' '.join(shapes)}: the fixed shapes fork where a signpost task's door comes last; "
+                     f"--task {args.task} is not such a task")
+    saved = saved_sets(args.saved, sets, args.draws) if args.saved else {}
+    task, model_dir = task_at_warm_start(args.task, args.out.resolve())
     with worker_pool(args.workers) as pool:
         futures = {name: pool.submit(gradient_draws, model_dir, task, kw["estimator"], args.draws,
-                                     GRAD_WARMUP if kw["estimator"] == "bpo" else 0, tree_settings(), seed=kw["seed"],
-                                     cache=kw["cache"], jitter_ms=args.jitter_ms if kw.get("jittered") else 0.0)
-                   for name, kw in sets.items()}
-        draws = {name: future.result() for name, future in futures.items()}
+                                     GRAD_WARMUP if "shape" not in kw and kw["estimator"] == "bpo" else 0,
+                                     tree_settings(), seed=kw["seed"], cache=kw["cache"],
+                                     jitter_ms=args.jitter_ms if kw.get("jittered") else 0.0,
+                                     bpo=fixed_shape(task, *kw["shape"]) if "shape" in kw else None)
+                   for name, kw in sets.items() if name not in saved}
+        predicted = pool.submit(predicted_over_rloo, model_dir, task, shapes) if shapes else None
+        draws = {name: saved[name] if name in saved else futures[name].result() for name in sets}
+        predicted = predicted.result() if predicted else {}
     args.out.mkdir(parents=True, exist_ok=True)
     np.savez(args.out / f"gradient_draws_{args.task}_{args.draws}_{'_'.join(sets)}.npz",
              **{name: gram for name, (gram, _, _) in draws.items()},
              **{f"{name}_tokens": tokens for name, (_, tokens, _) in draws.items()})
-    result: dict = {"task": args.task, "draws": args.draws, "sets": sets}
+    result: dict = {"task": args.task, "draws": args.draws, "sets": sets, "read_from_saved": sorted(saved)}
     for name, (gram, tokens, mass_factor) in draws.items():
         snr, cov = signal_to_noise(gram), trace_cov(gram)
         norms = np.diag(gram)
         result[name] = {"snr": round(snr, 4), "snr_ci95": bootstrap(lambda i, g=gram: signal_to_noise(g, i), len(gram)),
                         "trace_cov": float(f"{cov:.4g}"),
                         "trace_cov_mom": float(f"{trace_cov_median_of_means(gram):.4g}"),
-                        "tokens_per_batch": round(tokens, 1), "leaf_mass_factor": round(mass_factor, 3),
+                        "tokens_per_batch": round(tokens, 1),
+                        "leaf_mass_factor": None if mass_factor is None else round(mass_factor, 3),
                         "norm_sq_max_over_median": round(float(norms.max() / np.median(norms)), 2)}
         print(f"{name}: SNR {snr:.3f} CI95 {result[name]['snr_ci95']}, tr Cov {cov:.4g}", flush=True)
     for (first, second), key in {("A", "A_uncached"): "gram_max_rel_diff",
@@ -105,8 +131,73 @@ def main() -> None:
             var_ratio = variance_ratio(*draws["BPO"][:2], *draws["A"][:2], cov=cov)
             result[f"{key}_bpo_over_rloo"] = round(var_ratio(np.arange(args.draws)), 4)
             result[f"{key}_ci95"] = bootstrap(var_ratio, args.draws)
+    if shapes:
+        result["predicted_learned_over_rloo"] = round(predicted["learned"], 4)
+    for name in shapes:
+        result[f"predicted_{name}_over_rloo"] = round(predicted[name], 4)
+        if "A" in sets:
+            var_ratio = variance_ratio(*draws[name][:2], *draws["A"][:2], cov=trace_cov)
+            result[f"grad_var_{name}_over_rloo"] = round(var_ratio(np.arange(args.draws)), 4)
+            result[f"grad_var_{name}_over_rloo_ci95"] = bootstrap(var_ratio, args.draws)
     result["wall_s"] = round(time.monotonic() - start)
     print(json.dumps(result))
+
+
+def saved_sets(path: Path, sets: dict, draws: int) -> dict[str, tuple[np.ndarray, float, float | None]]:
+    """The sets of ``sets`` that the saved Gram matrices at ``path`` hold, as :func:`gradient_draws` returns them
+    (their leaf mass factor is not saved: ``None``)."""
+    saved = np.load(path)
+    out = {}
+    for name in sets:
+        if name in saved.files:
+            gram = saved[name]
+            if gram.shape != (draws, draws):
+                raise SystemExit(f"--saved {path}: set {name} holds {len(gram)} draws, not --draws {draws}")
+            out[name] = (gram, float(saved[f"{name}_tokens"]), None)
+    return out
+
+
+def fixed_shape(task, root: int, width: int) -> dict:
+    """The ``bpo:`` settings of a fixed shape on a signpost ``task``: ``root`` paths, each forked into ``width``
+    at depth ``length − 1`` (the fixed rule's one wave there forks them all: N leaves)."""
+    # "learned": {} replaces the benchmark's learned settings, which the fixed rule would refuse as unread
+    return {"allocation": "fixed", "min_depth": task.sandbox_config["length"] - 1,
+            "fixed": {"k0": root, "k": width}, "learned": {}}
+
+
+def predicted_over_rloo(model_dir: Path, task, shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """What the allocation model (:mod:`verl_bpo.core.shape`) predicts of each shape's gradient variance × generated
+    tokens against RLOO's (N root paths), from the depth profile that BPO's trees teach at the warm start in its
+    warm-up and ``PROFILE_BATCHES`` more batches (the learned set's first batches: the same seeds)."""
+    import random
+
+    from verl_bpo.core.fork_policy import AllocationPlan
+    from verl_bpo.core.shape import shape_cost, shape_variance
+
+    rl = trainer(model_dir, task, "bpo", 0, tree_settings())
+    tasks = task.tasks(task.train_ids)[:task.batch]
+    for d in range(GRAD_WARMUP + PROFILE_BATCHES):
+        rl.updates = d - GRAD_WARMUP
+        rl.rollout(tasks)
+    policy = rl.policies["bpo"]
+    profile = policy.profile
+    injected, mass, per_sample = profile.credited_variance(), profile.gradient_mass(), profile.per_sample_cost("tokens")
+
+    def per_token(widths: np.ndarray) -> float:
+        return float(shape_variance(widths[None], injected, mass)[0] * shape_cost(widths[None], per_sample)[0])
+
+    def fixed(root: int, width: int = 1) -> np.ndarray:
+        widths = np.ones(task.max_turns, dtype=np.int64)
+        widths[0] = root
+        widths[task.sandbox_config["length"] - 1] = width
+        return widths
+
+    n = rl.config.rollout_n
+    rloo = per_token(fixed(n))
+    learned = AllocationPlan(policy.config, n, profile, random.Random(0), root_budget=float(shape_cost(
+        fixed(n)[None], per_sample)[0])).shape.widths
+    return {"learned": per_token(learned) / rloo, **{name: per_token(fixed(*shape)) / rloo
+                                                      for name, shape in shapes.items()}}
 
 
 if __name__ == "__main__":

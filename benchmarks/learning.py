@@ -235,14 +235,15 @@ def train_one(model_dir: Path, task: DemoTask, estimator: str, seed: int, args: 
 
 
 def gradient_draws(model_dir: Path, task: DemoTask, estimator: str, draws: int, warmup: int,
-                   tree: dict, seed: int = 0, cache: bool = True, jitter_ms: float = 0.0
+                   tree: dict, seed: int = 0, cache: bool = True, jitter_ms: float = 0.0, bpo: dict | None = None
                    ) -> tuple[np.ndarray, float, float]:
     """The Gram matrix of ``draws`` batch gradients at the warm-start policy, the mean tokens per batch, and the
     trees' mean ``bpo/leaf_mass_factor`` (1 for flat groups).
     ``seed`` seeds the draws' trees (the same seed draws the same batches); ``cache``: the
     client's prefix cache on (off: every turn prefills its whole chat); ``jitter_ms``: each sandbox step waits a
-    further 0-``jitter_ms`` ms on a worker thread (:func:`late_steps`)."""
-    rl = trainer(model_dir, task, estimator, seed, tree)
+    further 0-``jitter_ms`` ms on a worker thread (:func:`late_steps`); ``bpo``: settings of the ``bpo:`` block on
+    top of the benchmark's (:func:`trainer`)."""
+    rl = trainer(model_dir, task, estimator, seed, tree, bpo=bpo)
     if not cache:
         rl.client.cache.max_tokens = 0
     tasks = task.tasks(task.train_ids)[:task.batch]

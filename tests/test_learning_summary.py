@@ -314,3 +314,38 @@ def test_late_steps_make_a_sandboxs_steps_late_and_blocking_only_inside():
             box.step("look")
         assert time.perf_counter() - start > 0.05
     assert {name: vars(SmokeSandbox).get(name) for name in ("step", "blocking")} == before
+
+
+def test_the_fixed_shape_sets_fork_every_root_path_once_where_the_door_is():
+    """``gradient_draws.py``'s ``BPO_r4k2`` and ``BPO_r2k4``: the fixed rule's settings on ``hard_late`` grow K0
+    root paths, each forked into K at depth ``length − 1`` (7), N = 8 leaves of equal mass; an agent that only walks
+    east plays every episode to ``max_steps``, so every path reaches that depth."""
+    import asyncio
+    import sys
+
+    from tests.fakes import ScriptedLLM, WordCodec
+    from verl_bpo.core.config import BPOConfig
+    from verl_bpo.rollout.sampler import TreeSampler
+    from sandbox_adapters.registry import make_sandbox
+
+    sys.path.insert(0, str(Path(learning.__file__).parent))
+    try:
+        spec = importlib.util.spec_from_file_location("gradient_draws_benchmark", Path(learning.__file__).parent
+                                                      / "gradient_draws.py")
+        draws = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(draws)
+    finally:
+        sys.path.remove(str(Path(learning.__file__).parent))
+    task = learning.TASKS["hard_late"]
+    for name, (root, width) in draws.FIXED_SHAPES.items():
+        block = {**learning.bpo_block(task, "bpo", learning.tree_settings()), **draws.fixed_shape(task, root, width)}
+        sampler = TreeSampler(BPOConfig.from_mapping(block).for_estimator("bpo"), learning.ROLLOUT_N, 512,
+                              lambda: make_sandbox(task.sandbox, task.sandbox_config), {"task_id": 0},
+                              ScriptedLLM(probs={"east": 1.0}), WordCodec(), tree_id=name)
+        leaves = asyncio.run(sampler.run()).leaves
+        paths = [leaf.meta.node_path for leaf in leaves]
+        assert len(leaves) == learning.ROLLOUT_N and {leaf.meta.leaf_mass for leaf in leaves} == {1 / 8}, name
+        assert all(len(p) == 1 + task.sandbox_config["max_steps"] for p in paths), name
+        door = task.sandbox_config["length"] - 1  # the node reached after that many turns forks
+        assert len({p[door] for p in paths}) == root and len({p[door + 1] for p in paths}) == 8, name
+        assert len({p[door - 1] for p in paths}) == root and len({p[1] for p in paths}) == root, name
