@@ -23,17 +23,18 @@ the learning benchmark's own ``gradient_draws``:
   doors. Each set's ``tr Cov`` × tokens per batch against ``A``'s is ``grad_var_<set>_over_rloo`` (with ``_ci95``),
   and ``predicted_<set>_over_rloo`` is what the allocation model says of the same ratio, from the depth profile that
   BPO's trees teach at the warm start; ``predicted_learned_over_rloo`` is the model's figure for the shape the
-  learned allocation picks within RLOO's tokens (what set ``BPO`` grows, up to rounding and unspent budget).
+  learned allocation picks within RLOO's mean tokens (what set ``BPO`` grows, up to rounding, unspent budget, each
+  task's own budget, and the tenth of its trees that take the exploration shape).
 
     python benchmarks/gradient_draws.py [--task real_early] [--draws 64] [--bpo] [--sets A BPO] [--workers 2]
-        [--jitter-ms 20] [--out runs/learning]
+        [--jitter-ms 20] [--saved FILE] [--out runs/learning]
 
-``--sets`` draws only the sets named (``A`` and ``BPO`` suffice for the BPO/RLOO ratio); a statistic whose sets
-were not drawn is left out. ``--saved FILE`` reads the named sets that ``FILE`` (a saved ``.npz``, below) holds
-instead of drawing them again: the same seeds draw the same batches, so e.g. RLOO's ``A`` of an earlier run serves a
-new set's ratio (its first draws can be checked against a short fresh run). The Gram matrices are saved to ``OUT/gradient_draws_<task>_<draws>_<sets>.npz`` (one
-array per set, with its tokens per batch), so a recorded set can be read again with another statistic without
-drawing it again.
+``--sets`` draws only the sets named (``A`` and ``BPO`` suffice for the BPO/RLOO ratio); a statistic whose sets were
+not drawn is left out. ``--saved FILE`` reads the named sets that ``FILE`` (a saved ``.npz`` of the same task and
+draws, below) holds instead of drawing them again: the same seeds draw the same batches, so e.g. RLOO's ``A`` of an
+earlier run serves a new set's ratio (its first draws can be checked against a short fresh run). The Gram matrices are
+saved to ``OUT/gradient_draws_<task>_<draws>_<sets>.npz`` (one array per set, with its tokens per batch), so a
+recorded set can be read again with another statistic without drawing it again.
 
 Last line: one JSON object: per set the signal-to-noise with its CI95 (bootstrap over draws), ``tr Cov`` and its
 median-of-blocks ``trace_cov_mom``, generated tokens per batch, the trees' mean ``bpo/leaf_mass_factor`` (L · Σ w²,
@@ -53,8 +54,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from learning import (BENCHMARK_TASKS, GRAD_WARMUP, bootstrap, gradient_draws, signal_to_noise, task_at_warm_start,
-                      trace_cov, trace_cov_median_of_means, trainer, tree_settings, variance_ratio, worker_pool)
+from learning import (BENCHMARK_TASKS, GRAD_WARMUP, ROLLOUT_N, bootstrap, gradient_draws, signal_to_noise,
+                      task_at_warm_start, trace_cov, trace_cov_median_of_means, trainer, tree_settings, variance_ratio,
+                      worker_pool)
 
 SETS = {"A": {"estimator": "rloo", "seed": 0, "cache": True},
         "A_uncached": {"estimator": "rloo", "seed": 0, "cache": False},
@@ -62,6 +64,7 @@ SETS = {"A": {"estimator": "rloo", "seed": 0, "cache": True},
 BPO_SET = {"BPO": {"estimator": "bpo", "seed": 0, "cache": True}}
 JITTERED_SET = {"BPO_jittered": {"estimator": "bpo", "seed": 0, "cache": True, "jittered": True}}
 FIXED_SHAPES = {"BPO_r4k2": (4, 2), "BPO_r2k4": (2, 4)}  # K0 root paths, each forked into K where the door is
+assert all(root * width == ROLLOUT_N for root, width in FIXED_SHAPES.values()), "a fixed shape grows N leaves"
 FIXED_SETS = {name: {"estimator": "bpo", "seed": 0, "cache": True, "shape": shape}
               for name, shape in FIXED_SHAPES.items()}
 PROFILE_BATCHES = 32  # BPO batches after its warm-up whose trees teach the profile of the model's predictions
@@ -90,7 +93,7 @@ def main() -> None:
     if shapes and (task.sandbox != "signpost" or task.sandbox_config.get("decide_at", "end") != "end"):
         parser.error(f"--sets {' '.join(shapes)}: the fixed shapes fork where a signpost task's door comes last; "
                      f"--task {args.task} is not such a task")
-    saved = saved_sets(args.saved, sets, args.draws) if args.saved else {}
+    saved = saved_sets(args.saved, sets, args.task, args.draws) if args.saved else {}
     task, model_dir = task_at_warm_start(args.task, args.out.resolve())
     with worker_pool(args.workers) as pool:
         futures = {name: pool.submit(gradient_draws, model_dir, task, kw["estimator"], args.draws,
@@ -106,7 +109,8 @@ def main() -> None:
     np.savez(args.out / f"gradient_draws_{args.task}_{args.draws}_{'_'.join(sets)}.npz",
              **{name: gram for name, (gram, _, _) in draws.items()},
              **{f"{name}_tokens": tokens for name, (_, tokens, _) in draws.items()})
-    result: dict = {"task": args.task, "draws": args.draws, "sets": sets, "read_from_saved": sorted(saved)}
+    result: dict = {"task": args.task, "draws": args.draws, "sets": sets, "read_from_saved": sorted(saved),
+                    "saved": args.saved.name if args.saved else None}
     for name, (gram, tokens, mass_factor) in draws.items():
         snr, cov = signal_to_noise(gram), trace_cov(gram)
         norms = np.diag(gram)
@@ -143,9 +147,11 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def saved_sets(path: Path, sets: dict, draws: int) -> dict[str, tuple[np.ndarray, float, float | None]]:
-    """The sets of ``sets`` that the saved Gram matrices at ``path`` hold, as :func:`gradient_draws` returns them
-    (their leaf mass factor is not saved: ``None``)."""
+def saved_sets(path: Path, sets: dict, task: str, draws: int) -> dict[str, tuple[np.ndarray, float, float | None]]:
+    """The sets of ``sets`` that the saved Gram matrices at ``path`` (drawn on ``task``, as its name says) hold, as
+    :func:`gradient_draws` returns them (their leaf mass factor is not saved: ``None``)."""
+    if not path.name.startswith(f"gradient_draws_{task}_"):
+        raise SystemExit(f"--saved {path}: not drawn on --task {task} (its name is not gradient_draws_{task}_...)")
     saved = np.load(path)
     out = {}
     for name in sets:

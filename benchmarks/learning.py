@@ -164,12 +164,13 @@ def task_form(name: str) -> str | None:
     return next((form for form in TARGETS if name == form or name.endswith(f"_{form}")), None)
 
 
-def bpo_block(task: DemoTask, estimator: str, tree: dict) -> dict:
-    """The ``bpo:`` block; ``tree`` holds the BPO tree's own settings from the command line."""
+def bpo_block(task: DemoTask, estimator: str, tree: dict, extra: dict | None = None) -> dict:
+    """The ``bpo:`` block; ``tree`` holds the BPO tree's own settings from the command line, ``extra`` top-level
+    settings that replace the benchmark's (diagnostics)."""
     block = {"max_turns": task.max_turns, "max_tokens_per_turn": MAX_TOKENS_PER_TURN}
     if estimator == "bpo":
         block.update(allocation="learned", learned={"budget_unit": "tokens", "explore_share": 0.1, **tree})
-    return block
+    return {**block, **(extra or {})}
 
 
 def tree_settings(max_leaves: int = MAX_LEAVES, warmup_trees: int = BPO_WARMUP_TREES) -> dict:
@@ -212,7 +213,7 @@ def trainer(model_dir: Path, task: DemoTask, estimator: str, seed: int, tree: di
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LocalRLConfig(estimator=estimator, rollout_n=rollout_n, batch_size=task.batch, lr=lr or task.lr,
                            adam_eps=adam_eps, response_length=task.response_length,
-                           bpo={**bpo_block(task, estimator, tree), **(bpo or {})})
+                           bpo=bpo_block(task, estimator, tree, bpo))
     return LocalRL(model, AutoTokenizer.from_pretrained(model_dir), task.sandbox, task.sandbox_config, config,
                    seed=seed)
 

@@ -338,7 +338,7 @@ def test_the_fixed_shape_sets_fork_every_root_path_once_where_the_door_is():
         sys.path.remove(str(Path(learning.__file__).parent))
     task = learning.TASKS["hard_late"]
     for name, (root, width) in draws.FIXED_SHAPES.items():
-        block = {**learning.bpo_block(task, "bpo", learning.tree_settings()), **draws.fixed_shape(task, root, width)}
+        block = learning.bpo_block(task, "bpo", learning.tree_settings(), draws.fixed_shape(task, root, width))
         sampler = TreeSampler(BPOConfig.from_mapping(block).for_estimator("bpo"), learning.ROLLOUT_N, 512,
                               lambda: make_sandbox(task.sandbox, task.sandbox_config), {"task_id": 0},
                               ScriptedLLM(probs={"east": 1.0}), WordCodec(), tree_id=name)

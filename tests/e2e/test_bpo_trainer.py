@@ -115,9 +115,8 @@ def late_setup(tmp_path_factory):
     """The CPU demo's late-decision task and warm-started model (a routine walk, the door last, picked at random
     by the warm start). Each row gives its tree a budget of ``3N x max_turns`` turns (``extra_info.bpo_budget``):
     every leaf the cap allows can walk a whole episode, so an allocated tree grows more than N leaves whatever
-    shape the four warm-up trees teach. With N flat episodes' worth, learned, the plan took N leaves or fewer when
-    the profile put the noise early (a LocalRL stand-in of this run: 1 in 30 seeds at 16 leaves in four trees, 4
-    more under 20; with the rows' budget all 30 grew 48)."""
+    shape the four warm-up trees teach (unless they showed no return variance at all). With N flat episodes' worth,
+    learned, the plan took N leaves or fewer in some runs, where the profile put the noise early."""
     root = tmp_path_factory.mktemp("bpo_e2e_late")
     model = demo_tasks.task_model(root, LATE)
     tasks = LATE.tasks(LATE.train_ids[:8])
