@@ -36,11 +36,15 @@ class ScriptedLLM:
         self.delay_s = delay_s
 
     async def generate(self, request_id, *, prompt_ids, sampling_params):
-        self.request_ids.append(request_id)
-        self.prompt_lengths.append(len(prompt_ids))
+        self.record(request_id, prompt_ids)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return self.sample(self.rng, sampling_params)
+
+    def record(self, request_id, prompt_ids) -> None:
+        """What the tests read of every request: its id and its prompt's length."""
+        self.request_ids.append(request_id)
+        self.prompt_lengths.append(len(prompt_ids))
 
     def sample(self, rng: random.Random, sampling_params) -> Generation:
         actions, weights = zip(*self.probs.items())
@@ -59,8 +63,7 @@ class SeededLLM(ScriptedLLM):
     jitter = random.Random(0)
 
     async def generate(self, request_id, *, prompt_ids, sampling_params):
-        self.request_ids.append(request_id)
-        self.prompt_lengths.append(len(prompt_ids))
+        self.record(request_id, prompt_ids)
         await asyncio.sleep(self.jitter.uniform(0.0, 0.002))
         return self.sample(random.Random(sampling_params["seed"]), sampling_params)
 
