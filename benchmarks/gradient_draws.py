@@ -160,6 +160,9 @@ def saved_sets(path: Path, sets: dict, task: str, draws: int) -> dict[str, tuple
             if gram.shape != (draws, draws):
                 raise SystemExit(f"--saved {path}: set {name} holds {len(gram)} draws, not --draws {draws}")
             out[name] = (gram, float(saved[f"{name}_tokens"]), None)
+    if not out:
+        raise SystemExit(f"--saved {path}: holds none of the sets {', '.join(sets)} "
+                         f"(it holds {', '.join(saved.files)})")
     return out
 
 

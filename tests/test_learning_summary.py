@@ -316,26 +316,50 @@ def test_late_steps_make_a_sandboxs_steps_late_and_blocking_only_inside():
     assert {name: vars(SmokeSandbox).get(name) for name in ("step", "blocking")} == before
 
 
+def gradient_draws_module():
+    """``benchmarks/gradient_draws.py`` as a module (it imports ``learning`` as a script beside it)."""
+    import sys
+
+    folder = str(Path(learning.__file__).parent)
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location("gradient_draws_benchmark", Path(folder) / "gradient_draws.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
+def test_saved_sets_are_read_only_from_a_file_of_the_same_task_and_draws(tmp_path):
+    """``gradient_draws.py --saved``: a saved set comes back as drawn; a file of another task, of another number
+    of draws, or holding none of the sets named is refused."""
+    draws = gradient_draws_module()
+    gram = np.arange(9.0).reshape(3, 3)
+    path = tmp_path / "gradient_draws_hard_late_3_A_BPO.npz"
+    np.savez(path, A=gram, A_tokens=300.0)
+    sets = {"A": {}, "BPO_r4k2": {}}
+    read = draws.saved_sets(path, sets, "hard_late", 3)
+    assert list(read) == ["A"] and np.array_equal(read["A"][0], gram) and read["A"][1:] == (300.0, None)
+    for task, n, named, message in [("hard_early", 3, sets, "not drawn on --task hard_early"),
+                                    ("hard_late", 4, sets, "holds 3 draws, not --draws 4"),
+                                    ("hard_late", 3, {"BPO": {}}, "holds none of the sets BPO")]:
+        with pytest.raises(SystemExit, match=message):
+            draws.saved_sets(path, named, task, n)
+
+
 def test_the_fixed_shape_sets_fork_every_root_path_once_where_the_door_is():
     """``gradient_draws.py``'s ``BPO_r4k2`` and ``BPO_r2k4``: the fixed rule's settings on ``hard_late`` grow K0
     root paths, each forked into K at depth ``length − 1`` (7), N = 8 leaves of equal mass; an agent that only walks
     east plays every episode to ``max_steps``, so every path reaches that depth."""
     import asyncio
-    import sys
 
     from tests.fakes import ScriptedLLM, WordCodec
     from verl_bpo.core.config import BPOConfig
     from verl_bpo.rollout.sampler import TreeSampler
     from sandbox_adapters.registry import make_sandbox
 
-    sys.path.insert(0, str(Path(learning.__file__).parent))
-    try:
-        spec = importlib.util.spec_from_file_location("gradient_draws_benchmark", Path(learning.__file__).parent
-                                                      / "gradient_draws.py")
-        draws = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(draws)
-    finally:
-        sys.path.remove(str(Path(learning.__file__).parent))
+    draws = gradient_draws_module()
     task = learning.TASKS["hard_late"]
     for name, (root, width) in draws.FIXED_SHAPES.items():
         block = learning.bpo_block(task, "bpo", learning.tree_settings(), draws.fixed_shape(task, root, width))
