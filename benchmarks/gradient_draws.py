@@ -89,8 +89,7 @@ def main() -> None:
     names = args.sets or [*SETS, *(BPO_SET if args.bpo else ())]
     sets = {name: kw for name, kw in every.items() if name in names}
     shapes = {name: kw["shape"] for name, kw in sets.items() if "shape" in kw}
-    task = BENCHMARK_TASKS[args.task]
-    if shapes and (task.sandbox != "signpost" or task.sandbox_config.get("decide_at", "end") != "end"):
+    if shapes and door_depth(BENCHMARK_TASKS[args.task]) is None:
         parser.error(f"--sets {' '.join(shapes)}: the fixed shapes fork where a signpost task's door comes last; "
                      f"--task {args.task} is not such a task")
     saved = saved_sets(args.saved, sets, args.task, args.draws) if args.saved else {}
@@ -166,12 +165,20 @@ def saved_sets(path: Path, sets: dict, task: str, draws: int) -> dict[str, tuple
     return out
 
 
+def door_depth(task) -> int | None:
+    """The depth where a signpost ``task``'s door comes last (``length − 1``: the turn at which a walk without a
+    wasted move stands at the doors); ``None`` for any other task."""
+    config = task.sandbox_config
+    if task.sandbox != "signpost" or config.get("decide_at", "end") != "end":
+        return None
+    return config["length"] - 1
+
+
 def fixed_shape(task, root: int, width: int) -> dict:
     """The ``bpo:`` settings of a fixed shape on a signpost ``task``: ``root`` paths, each forked into ``width``
-    at depth ``length − 1`` (the fixed rule's one wave there forks them all: N leaves)."""
+    at :func:`door_depth` (the fixed rule's one wave there forks them all: N leaves)."""
     # "learned": {} replaces the benchmark's learned settings, which the fixed rule would refuse as unread
-    return {"allocation": "fixed", "min_depth": task.sandbox_config["length"] - 1,
-            "fixed": {"k0": root, "k": width}, "learned": {}}
+    return {"allocation": "fixed", "min_depth": door_depth(task), "fixed": {"k0": root, "k": width}, "learned": {}}
 
 
 def predicted_over_rloo(model_dir: Path, task, shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
@@ -198,13 +205,14 @@ def predicted_over_rloo(model_dir: Path, task, shapes: dict[str, tuple[int, int]
     def fixed(root: int, width: int = 1) -> np.ndarray:
         widths = np.ones(task.max_turns, dtype=np.int64)
         widths[0] = root
-        widths[task.sandbox_config["length"] - 1] = width
+        widths[door_depth(task)] = width
         return widths
 
     n = rl.config.rollout_n
-    rloo = per_token(fixed(n))
-    learned = AllocationPlan(policy.config, n, profile, random.Random(0), root_budget=float(shape_cost(
-        fixed(n)[None], per_sample)[0])).shape.widths
+    flat = fixed(n)
+    rloo = per_token(flat)
+    learned = AllocationPlan(policy.config, n, profile, random.Random(0),
+                             root_budget=float(shape_cost(flat[None], per_sample)[0])).shape.widths
     return {"learned": per_token(learned) / rloo, **{name: per_token(fixed(*shape)) / rloo
                                                       for name, shape in shapes.items()}}
 

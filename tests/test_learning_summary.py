@@ -7,6 +7,7 @@ reaches the target in <= 0.75x RLOO's updates, with the upper end of that ratio'
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,16 +16,21 @@ import pytest
 UPDATES, EVAL_EVERY, BATCH, TARGET, SEEDS = 8, 2, 4, 0.75, 6
 
 
-def load():
-    """``benchmarks/learning.py`` as a module (benchmarks are scripts, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py"
-    spec = importlib.util.spec_from_file_location("learning_benchmark_summary", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def load(script: str):
+    """``benchmarks/<script>.py`` as a module (benchmarks are scripts, not a package; one may import another, as
+    ``gradient_draws`` imports ``learning``, so their folder is on the path while it loads)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(f"{script}_benchmark", Path(folder) / f"{script}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
     return module
 
 
-learning = load()
+learning = load("learning")
 
 
 def run(curve: list[float], tokens: float = 100.0, leaf: float = 300.0, packed: float = 200.0,
@@ -316,25 +322,10 @@ def test_late_steps_make_a_sandboxs_steps_late_and_blocking_only_inside():
     assert {name: vars(SmokeSandbox).get(name) for name in ("step", "blocking")} == before
 
 
-def gradient_draws_module():
-    """``benchmarks/gradient_draws.py`` as a module (it imports ``learning`` as a script beside it)."""
-    import sys
-
-    folder = str(Path(learning.__file__).parent)
-    sys.path.insert(0, folder)
-    try:
-        spec = importlib.util.spec_from_file_location("gradient_draws_benchmark", Path(folder) / "gradient_draws.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
-    return module
-
-
 def test_saved_sets_are_read_only_from_a_file_of_the_same_task_and_draws(tmp_path):
     """``gradient_draws.py --saved``: a saved set comes back as drawn; a file of another task, of another number
     of draws, or holding none of the sets named is refused."""
-    draws = gradient_draws_module()
+    draws = load("gradient_draws")
     gram = np.arange(9.0).reshape(3, 3)
     path = tmp_path / "gradient_draws_hard_late_3_A_BPO.npz"
     np.savez(path, A=gram, A_tokens=300.0)
@@ -359,7 +350,7 @@ def test_the_fixed_shape_sets_fork_every_root_path_once_where_the_door_is():
     from verl_bpo.rollout.sampler import TreeSampler
     from sandbox_adapters.registry import make_sandbox
 
-    draws = gradient_draws_module()
+    draws = load("gradient_draws")
     task = learning.TASKS["hard_late"]
     for name, (root, width) in draws.FIXED_SHAPES.items():
         block = learning.bpo_block(task, "bpo", learning.tree_settings(), draws.fixed_shape(task, root, width))

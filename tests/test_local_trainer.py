@@ -335,7 +335,7 @@ def learning_benchmark():
     """``benchmarks/learning.py`` as a module."""
     from tests.test_learning_summary import load
 
-    return load()
+    return load("learning")
 
 
 @pytest.mark.slow
