@@ -19,10 +19,11 @@ lies between the two.
 
 ``--gradient`` also measures the real thing: tr Cov of the batch gradient, each part by zeroing the others'
 advantages (the on-policy loss is linear in them, so the parts sum to the whole, ``whole``); it costs one backward
-pass per part per batch and needs many batches (its tail comes from the rare batches with a success). Each figure
-is per batch × generated tokens per batch (matched generated tokens), BPO / RLOO, with a bootstrap CI95 over the
-batches; ``share`` is each part's tr Cov over the whole's, per estimator (a point estimate; cross terms between the
-parts make the shares sum to other than 1).
+pass per part per batch and needs many batches (its tail comes from the rare batches with a success). The parts'
+draws give one Gram matrix, cross terms included, so sums of parts are measured too: ``whole``, and with
+``--rare-below`` each turn part whole. Each figure is per batch × generated tokens per batch (matched generated
+tokens), BPO / RLOO, with a bootstrap CI95 over the batches; ``share`` is each part's tr Cov over the whole's, per
+estimator (a point estimate; cross terms between the parts make the shares sum to other than 1).
 
     python benchmarks/turn_noise.py --task hard_late [--batches 200] [--warmup 4] [--gradient] [--rare-below 0.05]
                                     [--invalid-penalty 0] [--max-steps 16] [--min-depth 7]
@@ -40,7 +41,8 @@ whether forks on the routine walk are what its noise follows.
 
 Last line: one JSON object: per part (``walk``, ``last``, or their ``_rare`` and ``_common`` halves) and score
 model (``independent``, ``coherent``; ``gradient`` with ``--gradient``, with its ``share``) ``bpo_over_rloo`` and
-``ci95``; with ``--gradient`` the ``whole`` gradient's; ``tokens`` per batch of each estimator and
+``ci95``; with ``--gradient`` the ``whole`` gradient's, and with ``--rare-below`` too the ``walk`` and ``last``
+gradients' (each the sum of its two halves); ``tokens`` per batch of each estimator and
 ``tokens_per_batch`` of each part (trained tokens, mask 1: a failed turn masked out counts in neither part); the
 settings and ``wall_s``. About six minutes for ``hard_late`` at 200 batches on two cores (four times that with
 ``--gradient``, twice that again with ``--rare-below``).
@@ -56,7 +58,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from learning import bootstrap, gram_matrix, trace_cov, trainer, tree_settings, warm_start_batches
+from learning import bootstrap, trace_cov, trainer, tree_settings, warm_start_batches
 from noise_screen import variant
 
 from verl_bpo.demo.tasks import TASKS, task_model
@@ -71,6 +73,35 @@ Turn = tuple[object, Sequence[int], Sequence[float], str]
 def parts(rare_below: float | None = None) -> tuple[str, ...]:
     """The parts a batch is split into: ``walk`` and ``last``, each split in two by ``rare_below``."""
     return PARTS if rare_below is None else tuple(f"{p}_{r}" for p in PARTS for r in ("rare", "common"))
+
+
+def part_sums(rare_below: float | None = None) -> dict[str, tuple[str, ...]]:
+    """The sums of parts measured beside the parts: the ``whole`` gradient, and with ``rare_below`` each turn part
+    whole (``walk``: ``walk_rare`` + ``walk_common``; the same for ``last``), cross terms included."""
+    names = parts(rare_below)
+    sums = {"whole": names}
+    if rare_below is not None:
+        sums.update({p: tuple(n for n in names if n.startswith(f"{p}_")) for p in PARTS})
+    return sums
+
+
+def part_grams(draws: dict[str, Sequence[np.ndarray]], sums: dict[str, tuple[str, ...]],
+               chunk: int = 1 << 15) -> dict[str, np.ndarray]:
+    """The Gram matrix over the batches of every part's gradient and of every sum of parts: blocks of one Gram of
+    all the parts' draws (float64 products, built ``chunk`` parameters at a time so the draws are held once, in
+    float32)."""
+    names = list(draws)
+    n = len(draws[names[0]])
+    rows = [g for name in names for g in draws[name]]
+    gram = np.zeros((len(rows), len(rows)))
+    for start in range(0, len(rows[0]), chunk):
+        block = np.stack([g[start:start + chunk] for g in rows]).astype(np.float64)
+        gram += block @ block.T
+    span = {name: slice(i * n, (i + 1) * n) for i, name in enumerate(names)}
+    out = {name: gram[span[name], span[name]] for name in names}
+    for name, members in sums.items():
+        out[name] = sum(gram[span[a], span[b]] for a in members for b in members)
+    return out
 
 
 def turn_part(k: int, turns: int) -> str:
@@ -171,14 +202,12 @@ def measure(model_dir, task, estimator: str, batches: int, warmup: int, seed: in
             for model, value in values.items():
                 energies[(part, model)].append(value)
         if gradient:
-            by_part = part_gradients(rl, results, rare_below)
-            for part, g in by_part.items():
+            for part, g in part_gradients(rl, results, rare_below).items():
                 grads[part].append(g)
-            grads["whole"].append(sum(by_part.values()))
     out = {"tokens": float(np.mean(tokens)), "energies": {k: np.array(v) for k, v in energies.items()},
            "part_tokens": {p: part_tokens[p] / batches for p in names}}
     if gradient:
-        out["grams"] = {part: gram_matrix(g) for part, g in grads.items()}
+        out["grams"] = part_grams(grads, part_sums(rare_below))
     return out
 
 

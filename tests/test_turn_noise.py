@@ -76,3 +76,25 @@ def test_shares_of_a_batch_with_no_noise_are_nan_not_a_crash():
                         {"tokens": 1.0, "energies": {}, "grams": grams}, 3)
     assert np.isnan(out["walk"]["gradient"]["share"]["bpo"])
     assert "share" not in out["whole"]["gradient"]
+
+
+def test_the_gram_of_a_sum_of_parts_holds_their_cross_terms():
+    # Three batches of two parts built to cancel in part: each part's Gram is its own, a sum's is the Gram of the
+    # summed draws (not the sum of the parts' Grams), whatever the chunk the products are built in.
+    import numpy as np
+    rng = np.random.default_rng(0)
+    walk = [rng.normal(size=7).astype(np.float32) for _ in range(3)]
+    last = [(-0.5 * g + rng.normal(size=7)).astype(np.float32) for g in walk]
+    grams = noise.part_grams({"walk": walk, "last": last}, {"whole": ("walk", "last")}, chunk=3)
+    stack = {name: np.stack(draws).astype(np.float64) for name, draws in (("walk", walk), ("last", last))}
+    whole = stack["walk"] + stack["last"]
+    np.testing.assert_allclose(grams["walk"], stack["walk"] @ stack["walk"].T)
+    np.testing.assert_allclose(grams["last"], stack["last"] @ stack["last"].T)
+    np.testing.assert_allclose(grams["whole"], whole @ whole.T)
+    assert not np.allclose(grams["whole"], grams["walk"] + grams["last"])
+
+
+def test_with_the_rare_split_each_turn_part_is_measured_whole():
+    assert noise.part_sums() == {"whole": ("walk", "last")}
+    assert noise.part_sums(0.05) == {"whole": ("walk_rare", "walk_common", "last_rare", "last_common"),
+                                     "walk": ("walk_rare", "walk_common"), "last": ("last_rare", "last_common")}
