@@ -41,8 +41,8 @@ whether forks on the routine walk are what its noise follows.
 
 Last line: one JSON object: per part (``walk``, ``last``, or their ``_rare`` and ``_common`` halves) and score
 model (``independent``, ``coherent``; ``gradient`` with ``--gradient``, with its ``share``) ``bpo_over_rloo`` and
-``ci95``; with ``--gradient`` the ``whole`` gradient's, and with ``--rare-below`` too the ``walk`` and ``last``
-gradients' (each the sum of its two halves); ``tokens`` per batch of each estimator and
+``ci95``; with ``--gradient`` the ``whole`` gradient's; with ``--rare-below`` each turn part whole too (``walk``
+and ``last``, the sums of their halves); ``tokens`` per batch of each estimator and
 ``tokens_per_batch`` of each part (trained tokens, mask 1: a failed turn masked out counts in neither part); the
 settings and ``wall_s``. About six minutes for ``hard_late`` at 200 batches on two cores (four times that with
 ``--gradient``, twice that again with ``--rare-below``).
@@ -135,6 +135,17 @@ def noise_energies(turns: Iterable[Turn], names: Sequence[str] = PARTS) -> dict[
     return out
 
 
+def split_energies(turns: Sequence[Turn], rare_below: float | None = None) -> dict[str, dict[str, float]]:
+    """:func:`noise_energies` of every part of one batch's turns and, with ``rare_below``, of each turn part whole:
+    its independent noise the sum of its halves' (they hold distinct tokens), its coherent noise that of all its
+    tokens (a token id's coefficients summed across both halves)."""
+    out = noise_energies(turns, parts(rare_below))
+    if rare_below is not None:
+        out.update(noise_energies([((node, part), ids, coefs, part.split("_")[0])
+                                   for node, ids, coefs, part in turns]))
+    return out
+
+
 def leaf_token_parts(leaf, rare_below: float | None = None) -> list[tuple[int, int, str]]:
     """Every trained token of a leaf row (mask 1; a turn's span also holds the environment's reply, mask 0): its
     turn, its response offset and its part."""
@@ -198,7 +209,7 @@ def measure(model_dir, task, estimator: str, batches: int, warmup: int, seed: in
         turns = batch_turns(rl, results, rare_below)
         for _, ids, _, part in {(t[0], t[3]): t for t in turns}.values():  # each distinct turn once
             part_tokens[part] += len(ids)
-        for part, values in noise_energies(turns, names).items():
+        for part, values in split_energies(turns, rare_below).items():
             for model, value in values.items():
                 energies[(part, model)].append(value)
         if gradient:

@@ -98,3 +98,15 @@ def test_with_the_rare_split_each_turn_part_is_measured_whole():
     assert noise.part_sums() == {"whole": ("walk", "last")}
     assert noise.part_sums(0.05) == {"whole": ("walk_rare", "walk_common", "last_rare", "last_common"),
                                      "walk": ("walk_rare", "walk_common"), "last": ("last_rare", "last_common")}
+
+
+def test_a_turn_part_whole_adds_its_halves_independent_noise_and_pools_their_tokens_coherent_noise():
+    # Token 7 common in one leaf's walk (+0.5) and rare in another's (-0.5): apart, each half keeps its noise; whole,
+    # the one score of token 7 cancels, while the independent scores still add.
+    turns = [("a", [7], [0.5], "walk_common"), ("b", [7], [-0.5], "walk_rare"), ("c", [3], [1.0], "last_common")]
+    out = noise.split_energies(turns, 0.05)
+    assert out["walk_common"] == {"independent": 0.25, "coherent": 0.25}
+    assert out["walk_rare"] == {"independent": 0.25, "coherent": 0.25}
+    assert out["walk"] == {"independent": 0.5, "coherent": 0.0}
+    assert out["last"] == {"independent": 1.0, "coherent": 1.0}
+    assert set(noise.split_energies([("a", [7], [0.5], "walk")])) == {"walk", "last"}
