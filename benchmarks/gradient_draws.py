@@ -181,40 +181,48 @@ def fixed_shape(task, root: int, width: int) -> dict:
     return {"allocation": "fixed", "min_depth": door_depth(task), "fixed": {"k0": root, "k": width}, "learned": {}}
 
 
-def predicted_over_rloo(model_dir: Path, task, shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
-    """What the allocation model (:mod:`verl_bpo.core.shape`) predicts of each shape's gradient variance × generated
-    tokens against RLOO's (N root paths), from the depth profile that BPO's trees teach at the warm start in its
-    warm-up and ``PROFILE_BATCHES`` more batches (the learned set's first batches: the same seeds)."""
+def fixed_widths(task, root: int, width: int = 1) -> np.ndarray:
+    """The allocation model's widths (:mod:`verl_bpo.core.shape`) of ``root`` paths, each forked into ``width`` at
+    :func:`door_depth` (``root`` = N, ``width`` = 1: RLOO's flat group)."""
+    widths = np.ones(task.max_turns, dtype=np.int64)
+    widths[0] = root
+    widths[door_depth(task)] = width
+    return widths
+
+
+def learned_plan(model_dir: Path, task):
+    """The learned allocation's plan at the warm start within RLOO's mean tokens (its ``shape``, the ``candidates``
+    it searched), and the depth profile it comes from, which BPO's trees teach there in its warm-up and
+    ``PROFILE_BATCHES`` more batches (the learned set's first batches: the same seeds)."""
     import random
 
     from verl_bpo.core.fork_policy import AllocationPlan
-    from verl_bpo.core.shape import shape_cost, shape_variance
+    from verl_bpo.core.shape import shape_cost
 
     rl = trainer(model_dir, task, "bpo", 0, tree_settings())
     tasks = task.tasks(task.train_ids)[:task.batch]
     for d in range(GRAD_WARMUP + PROFILE_BATCHES):
         rl.updates = d - GRAD_WARMUP
         rl.rollout(tasks)
-    policy = rl.policies["bpo"]
-    profile = policy.profile
+    policy, n = rl.policies["bpo"], rl.config.rollout_n
+    flat_tokens = float(shape_cost(fixed_widths(task, n)[None], policy.profile.per_sample_cost("tokens"))[0])
+    return AllocationPlan(policy.config, n, policy.profile, random.Random(0), root_budget=flat_tokens), policy.profile
+
+
+def predicted_over_rloo(model_dir: Path, task, shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """What the allocation model (:mod:`verl_bpo.core.shape`) predicts of each shape's gradient variance × generated
+    tokens against RLOO's (N root paths), from the profile of :func:`learned_plan`, and of the learned shape."""
+    from verl_bpo.core.shape import shape_cost, shape_variance
+
+    plan, profile = learned_plan(model_dir, task)
     injected, mass, per_sample = profile.credited_variance(), profile.gradient_mass(), profile.per_sample_cost("tokens")
 
     def per_token(widths: np.ndarray) -> float:
         return float(shape_variance(widths[None], injected, mass)[0] * shape_cost(widths[None], per_sample)[0])
 
-    def fixed(root: int, width: int = 1) -> np.ndarray:
-        widths = np.ones(task.max_turns, dtype=np.int64)
-        widths[0] = root
-        widths[door_depth(task)] = width
-        return widths
-
-    n = rl.config.rollout_n
-    flat = fixed(n)
-    rloo = per_token(flat)
-    learned = AllocationPlan(policy.config, n, profile, random.Random(0),
-                             root_budget=float(shape_cost(flat[None], per_sample)[0])).shape.widths
-    return {"learned": per_token(learned) / rloo, **{name: per_token(fixed(*shape)) / rloo
-                                                      for name, shape in shapes.items()}}
+    rloo = per_token(fixed_widths(task, plan.rollout_n))
+    return {"learned": per_token(plan.shape.widths) / rloo,
+            **{name: per_token(fixed_widths(task, *shape)) / rloo for name, shape in shapes.items()}}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ reaches the target in <= 0.75x RLOO's updates, with the upper end of that ratio'
 
 from __future__ import annotations
 
+import json
 import importlib.util
 import sys
 from pathlib import Path
@@ -364,3 +365,48 @@ def test_the_fixed_shape_sets_fork_every_root_path_once_where_the_door_is():
         door = task.sandbox_config["length"] - 1  # the node reached after that many turns forks
         assert len({p[door] for p in paths}) == root and len({p[door + 1] for p in paths}) == 8, name
         assert len({p[door - 1] for p in paths}) == root and len({p[1] for p in paths}) == root, name
+
+
+def synthetic_shapes():
+    """A door at depth 3 of 5 that injects all the return variance; RLOO's flat group of 8, and three shapes."""
+    fit = load("shape_fit")
+    profile = fit.Profile(np.array([0.0, 0.0, 0.0, 0.1, 0.0]), np.full(5, 0.05), np.array([2.0, 2.0, 2.0, 3.0, 1.0]))
+    widths = {name: np.array([root, 1, 1, width, 1]) for name, (root, width) in
+              {"learned": (4, 5), "r4k2": (4, 2), "r2k4": (2, 4)}.items()}
+    return fit, profile, np.array([8, 1, 1, 1, 1]), widths
+
+
+@pytest.mark.parametrize("correction, value", [("root", 0.15), ("walk", 0.05), ("root", 0.0), ("walk", 0.0)])
+def test_shape_fit_recovers_a_correction_from_the_shapes_it_would_measure(correction, value):
+    """``benchmarks/shape_fit.py``: measurements made by the model under a correction give that correction's value
+    back (the model's own figures give zero, the negative control), every shape within its CI95."""
+    fit, profile, flat, widths = synthetic_shapes()
+    rows = np.stack(list(widths.values()))
+    truth = fit.over_rloo(rows, profile, flat, 3, correction, value)
+    measured = {name: (r, r / 1.3, r * 1.3) for name, r in zip(widths, truth)}
+    result = fit.fit(correction, measured, widths, profile, flat, 3, fit.GRIDS[correction])
+    assert result["value"] == pytest.approx(value, abs=2e-3)
+    assert result["within_ci95"] and result["error"] < 1e-3
+    other = "walk" if correction == "root" else "root"
+    if value:  # the other correction cannot fit these figures as well
+        assert fit.fit(other, measured, widths, profile, flat, 3, fit.GRIDS[other])["error"] > result["error"]
+
+
+def test_when_all_noise_sits_at_the_root_no_tree_beats_rloo_per_token():
+    """Under the ``root`` correction at b = 1 no shape within RLOO's tokens does better than RLOO's own flat group;
+    under the model (b = 0) the door's forks do."""
+    fit, profile, flat, _ = synthetic_shapes()
+    from verl_bpo.core.shape import candidate_widths
+    candidates = candidate_widths(5, 32, 1, 0, 3)
+    assert fit.over_rloo(flat[None], profile, flat, 3, "root", 0.4)[0] == pytest.approx(1.0)
+    assert fit.best(candidates, profile, flat, 3, "root", 1.0) == {"over_rloo": 1.0, "widths": flat.tolist()}
+    assert fit.best(candidates, profile, flat, 3)["over_rloo"] < 0.7
+
+
+def test_shape_fit_refuses_records_of_two_tasks(tmp_path):
+    fit = load("shape_fit")
+    fixed, learned = tmp_path / "fixed.json", tmp_path / "learned.json"
+    fixed.write_text(json.dumps({"result": {"task": "hard_late", "sets": {}}}))
+    learned.write_text(json.dumps({"result": {"task": "real_late"}}))
+    with pytest.raises(SystemExit, match="give one task's"):
+        fit.measurements(fixed, learned)

@@ -337,9 +337,10 @@ class AllocationPlan(_LearnedPlan):
         T, unit, budget = config.max_turns, self.budget.unit, self.budget.root_budget
         survival = profile.survival
         per_sample = profile.per_sample_cost(unit)
-        candidates = candidate_widths(T, self.budget.leaf_cap, max(config.min_depth, 1), config.cooldown,
-                                      min(config.max_forks_per_path or MAX_SEARCH_FORKS, MAX_SEARCH_FORKS))
-        self.shape = best_shape(candidates, profile.credited_variance(), profile.gradient_mass(), per_sample,
+        # The shapes searched (kept for diagnostics that price them under another model)
+        self.candidates = candidate_widths(T, self.budget.leaf_cap, max(config.min_depth, 1), config.cooldown,
+                                           min(config.max_forks_per_path or MAX_SEARCH_FORKS, MAX_SEARCH_FORKS))
+        self.shape = best_shape(self.candidates, profile.credited_variance(), profile.gradient_mass(), per_sample,
                                 budget, rollout_n)
         samples = np.cumprod(self.shape.widths.astype(float))
         before = np.concatenate([[1.0], samples[:-1]])  # n_{d−1}
