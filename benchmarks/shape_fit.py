@@ -19,9 +19,9 @@ For each: its parameter, its figure for each shape, the fit's weighted squared e
 variance × tokens against RLOO's among the candidate shapes the learned allocation searches, within RLOO's tokens
 (``widths``: that shape), to set against the target 0.5: under that model no shape the allocation can pick does
 better. The uncorrected model's figures come too (``model``; its ``best`` minimises per token, where the allocation
-minimises the variance within the budget, so the two shapes may differ at like figures). Two measurements of three fix each one-parameter fit, so a fit that lands every
-shape within its CI95 is consistent with them, not shown to be the cause; the two corrections stand for where the
-missing noise could sit (at the root; on the walk).
+minimises the variance within the budget, so the two shapes may differ at like figures). One parameter fitted to
+three measurements: a fit that lands every shape within its CI95 is consistent with them, not shown to be the
+cause; the two corrections stand for where the missing noise could sit (at the root; on the walk).
 
     python benchmarks/shape_fit.py [--fixed-shapes docs/results/gradient_draws_hard_late_fixed_shapes.json]
         [--learned docs/results/gradient_draws_hard_late_1024_waves.json] [--out runs/learning]
