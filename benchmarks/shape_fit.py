@@ -13,7 +13,9 @@ CI95's width in log / 3.92), and asks each corrected model what the best shape w
   carry (N − 1)/(K_0 − 1) of RLOO's. A shape's variance against RLOO's is (1 − b) × the model's + b × that.
 * ``walk``: the walk's turns (the depths above the door) inject return variance D_w in all, evenly over them,
   none of which the profile credits (its variogram is fitted non-increasing in depth, so the routine walk gets no
-  forks); added to the profile and priced by the model unchanged.
+  forks); added to the profile and priced by the model unchanged. The trees' returns measure what D_w stands
+  for before any fit (``walk_injected_measured``: S_0 γ_0 − S_d γ_d, the return variogram at the root less at the
+  door d, with its SE), so this correction can be checked against them.
 
 For each: its parameter, its figure for each shape, the fit's weighted squared error, and ``best``: the least
 variance × tokens against RLOO's among the candidate shapes the learned allocation searches, within RLOO's tokens
@@ -32,8 +34,8 @@ which the output repeats beside its own (``model``) for the check.
 
 Last line: one JSON object: ``task``, ``measured`` (per shape: ratio and CI95), ``widths`` per shape, ``model``,
 per correction (``root``, ``walk``) its ``value``, ``predicted`` per shape, ``error``, ``within_ci95`` (every
-shape's figure inside its CI95) and ``best`` (``over_rloo``, ``widths``); the model's own ``best``; the records'
-``recorded_predictions``; ``target`` and ``wall_s``.
+shape's figure inside its CI95) and ``best`` (``over_rloo``, ``widths``); the model's own ``best``;
+``walk_injected_measured``; the records' ``recorded_predictions``; ``target`` and ``wall_s``.
 """
 
 from __future__ import annotations
@@ -104,6 +106,18 @@ def best(candidates: np.ndarray, profile: Profile, flat: np.ndarray, door: int, 
     return {"over_rloo": round(float(ratios[i]), 3), "widths": fits[i].tolist()}
 
 
+def walk_injected(profile, door: int) -> dict:
+    """The return variance the walk injects as the profile's trees measured it, before its fit: S_0 γ_0 − S_d γ_d
+    (d the door; ``se`` from the spread of the trees' values), and the trees behind each term: what the ``walk``
+    correction's D_w stands against."""
+    mean, spread, trees = profile.variogram()
+    s = profile.survival
+    value = s[0] * mean[0] - s[door] * mean[door]
+    se = np.sqrt(sum(s[j] ** 2 * spread[j] / trees[j] for j in (0, door) if trees[j] > 0))
+    return {"value": round(float(value), 4), "se": round(float(se), 4),
+            "trees": [round(float(trees[j]), 1) for j in (0, door)]}
+
+
 def measurements(fixed_record: Path, learned_record: Path) -> tuple[str, dict, dict[str, tuple[int, int]], dict]:
     """The task, each shape's measured ratio with its CI95 (``learned`` and the fixed shapes), the fixed shapes'
     (root paths, width), and the records' model predictions."""
@@ -143,6 +157,7 @@ def main() -> None:
     out = {"task": name, "measured": measured, "widths": {n: w.tolist() for n, w in widths.items()},
            "model": {"predicted": model, "best": best(plan.candidates, profile, flat, door)},
            "recorded_predictions": recorded}
+    out["walk_injected_measured"] = walk_injected(depth_profile, door)
     for correction, grid in GRIDS.items():
         result = fit(correction, measured, widths, profile, flat, door, grid)
         result["best"] = best(plan.candidates, profile, flat, door, correction, result["value"])

@@ -410,3 +410,15 @@ def test_shape_fit_refuses_records_of_two_tasks(tmp_path):
     learned.write_text(json.dumps({"result": {"task": "real_late"}}))
     with pytest.raises(SystemExit, match="give one task's"):
         fit.measurements(fixed, learned)
+
+
+def test_shape_fit_reads_the_walks_injected_variance_off_the_trees_variogram():
+    """``walk_injected``: the variogram at the root less at the door, with the SE of the trees' spread."""
+    fit = load("shape_fit")
+    from types import SimpleNamespace
+    profile = SimpleNamespace(survival=np.array([1.0, 1.0, 0.5]),
+                              variogram=lambda: (np.array([0.2, 0.0, 0.1]), np.array([0.04, 0.0, 0.01]),
+                                                 np.array([4.0, 0.0, 1.0])))
+    out = fit.walk_injected(profile, 2)
+    assert out == {"value": pytest.approx(0.2 - 0.05), "se": pytest.approx(np.sqrt(0.04 / 4 + 0.25 * 0.01), abs=1e-4),
+                   "trees": [4.0, 1.0]}

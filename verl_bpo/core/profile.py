@@ -188,13 +188,19 @@ class DepthProfile:
         alive = s[depth] if s[depth] > 0 else 1.0
         return max(float((s[depth:] * c[depth:]).sum() / alive), float(c[depth]))
 
+    def variogram(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """γ_j as the trees measured it, before any fit, per depth: its mean over the trees that split there (0
+        where none did), the variance of the trees' values about it, and the trees (faded) that measured it."""
+        n = self._gamma_trees
+        mean = np.where(n > 0, self._gamma / np.maximum(n, 1e-12), 0.0)
+        spread = np.where(n > 1, self._gamma_sq / np.maximum(n, 1e-12) - mean ** 2, 0.0)
+        return mean, spread, n
+
     def injected_variance(self) -> np.ndarray:
         """D^R_j = S_j γ_j − S_{j+1} γ_{j+1}, from the non-increasing fit of S_j γ_j (module docstring), each
         difference shrunk by one SE of the two fitted values."""
-        n = self._gamma_trees
+        mean, spread, n = self.variogram()
         measured = n > 0
-        mean = np.where(measured, self._gamma / np.maximum(n, 1e-12), 0.0)
-        spread = np.where(n > 1, self._gamma_sq / np.maximum(n, 1e-12) - mean ** 2, 0.0)
         s = self.survival
         fit, se = np.full(self.horizon, np.nan), np.zeros(self.horizon)
         depths = np.flatnonzero(measured)
