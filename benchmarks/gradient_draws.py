@@ -53,10 +53,16 @@ import json
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from learning import (BENCHMARK_TASKS, GRAD_WARMUP, ROLLOUT_N, bootstrap, gradient_draws, signal_to_noise,
                       task_at_warm_start, trace_cov, trace_cov_median_of_means, trainer, tree_settings, variance_ratio,
                       worker_pool)
+
+if TYPE_CHECKING:
+    from verl_bpo.core.fork_policy import AllocationPlan
+    from verl_bpo.core.profile import DepthProfile
 
 SETS = {"A": {"estimator": "rloo", "seed": 0, "cache": True},
         "A_uncached": {"estimator": "rloo", "seed": 0, "cache": False},
@@ -183,14 +189,16 @@ def fixed_shape(task, root: int, width: int) -> dict:
 
 def fixed_widths(task, root: int, width: int = 1) -> np.ndarray:
     """The allocation model's widths (:mod:`verl_bpo.core.shape`) of ``root`` paths, each forked into ``width`` at
-    :func:`door_depth` (``root`` = N, ``width`` = 1: RLOO's flat group)."""
+    :func:`door_depth` (``root`` = N, ``width`` = 1: RLOO's flat group); signpost tasks whose door comes last."""
+    if door_depth(task) is None:
+        raise ValueError(f"task {task.name} has no door at its last step: fixed shapes fork where a signpost's is")
     widths = np.ones(task.max_turns, dtype=np.int64)
     widths[0] = root
     widths[door_depth(task)] = width
     return widths
 
 
-def learned_plan(model_dir: Path, task):
+def learned_plan(model_dir: Path, task) -> tuple[AllocationPlan, DepthProfile]:
     """The learned allocation's plan at the warm start within RLOO's mean tokens (its ``shape``, the ``candidates``
     it searched), and the depth profile it comes from, which BPO's trees teach there in its warm-up and
     ``PROFILE_BATCHES`` more batches (the learned set's first batches: the same seeds)."""

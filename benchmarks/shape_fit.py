@@ -12,18 +12,20 @@ CI95's width in log / 3.92), and asks each corrected model what the best shape w
   forks below the root neither average it nor take it out with their siblings' baselines, so K_0 root paths
   carry (N − 1)/(K_0 − 1) of RLOO's. A shape's variance against RLOO's is (1 − b) × the model's + b × that.
 * ``walk``: the walk's turns (the depths above the door) inject return variance D_w in all, evenly over them,
-  none of which the profile credits (its variogram is fitted non-increasing in depth, so the routine walk gets no
-  forks); added to the profile and priced by the model unchanged. The trees' returns measure what D_w stands
+  beyond what the profile credits them (what its fitted variogram falls by across them: nothing at this warm
+  start); added to the profile and priced by the model unchanged. The trees' returns measure what D_w stands
   for before any fit (``walk_injected_measured``: S_0 γ_0 − S_d γ_d, the return variogram at the root less at the
   door d, with its SE), so this correction can be checked against them.
 
-For each: its parameter, its figure for each shape, the fit's weighted squared error, and ``best``: the least
-variance × tokens against RLOO's among the candidate shapes the learned allocation searches, within RLOO's tokens
-(``widths``: that shape), to set against the target 0.5: under that model no shape the allocation can pick does
-better. The uncorrected model's figures come too (``model``; its ``best`` minimises per token, where the allocation
-minimises the variance within the budget, so the two shapes may differ at like figures). One parameter fitted to
-three measurements: a fit that lands every shape within its CI95 is consistent with them, not shown to be the
-cause; the two corrections stand for where the missing noise could sit (at the root; on the walk).
+For each: its parameter with a CI95 (the values within 3.84 of the least weighted squared error), its figure for
+each shape, the fit's weighted squared error, and ``best``: the least variance × tokens against RLOO's among the
+candidate shapes the learned allocation searches, within RLOO's tokens (``widths``: that shape), to set against the
+target 0.5: under that model no shape the allocation can pick does better; ``best_at_ci95_low`` the same at the
+lower end of the parameter's CI95, the least correction the measurements allow. The uncorrected model's figures come
+too (``model``; its ``best`` minimises per token, where the allocation minimises the variance within the budget, so
+the two shapes may differ at like figures). One parameter fitted to three measurements: a fit that lands every shape
+within its CI95 is consistent with them, not shown to be the cause; the two corrections stand for where the missing
+noise could sit (at the root; on the walk).
 
     python benchmarks/shape_fit.py [--fixed-shapes docs/results/gradient_draws_hard_late_fixed_shapes.json]
         [--learned docs/results/gradient_draws_hard_late_1024_waves.json] [--out runs/learning]
@@ -33,8 +35,9 @@ at warm start 0, seed 0): on the kind of machine that made the records it gives 
 which the output repeats beside its own (``model``) for the check.
 
 Last line: one JSON object: ``task``, ``measured`` (per shape: ratio and CI95), ``widths`` per shape, ``model``,
-per correction (``root``, ``walk``) its ``value``, ``predicted`` per shape, ``error``, ``within_ci95`` (every
-shape's figure inside its CI95) and ``best`` (``over_rloo``, ``widths``); the model's own ``best``;
+per correction (``root``, ``walk``) its ``value`` and ``ci95``, ``predicted`` per shape, ``error``,
+``within_ci95`` (every shape's figure inside its CI95), ``best`` and ``best_at_ci95_low`` (``over_rloo``,
+``widths``); the model's own ``best``;
 ``walk_injected_measured``; the records' ``recorded_predictions``; ``target`` and ``wall_s``.
 """
 
@@ -49,6 +52,7 @@ from typing import NamedTuple
 import numpy as np
 from gradient_draws import door_depth, fixed_widths, learned_plan
 
+from verl_bpo.core.profile import DepthProfile
 from verl_bpo.core.shape import shape_cost, shape_variance
 from verl_bpo.demo.tasks import TASKS, task_model
 
@@ -58,10 +62,10 @@ GRIDS = {"root": np.linspace(0.0, 0.5, 501), "walk": np.linspace(0.0, 0.3, 601)}
 
 
 class Profile(NamedTuple):
-    """What the model prices a shape by, per depth: the return variance injected (credited), the gradient mass,
+    """What the model prices a shape by, per depth: the return variance it credits to the depth, the gradient mass,
     and the generated tokens per sample."""
 
-    injected: np.ndarray
+    credited: np.ndarray
     mass: np.ndarray
     per_sample: np.ndarray
 
@@ -70,7 +74,7 @@ def over_rloo(widths: np.ndarray, profile: Profile, flat: np.ndarray, door: int,
               value: float = 0.0) -> np.ndarray:
     """Variance × generated tokens of each row of ``widths`` ``(M, T)`` against ``flat``'s (RLOO: N root paths),
     under the model with ``correction`` (module docstring) at ``value``; ``door``: the depth of the door."""
-    injected = profile.injected
+    injected = profile.credited
     if correction == "walk":
         injected = injected.copy()
         injected[:door] += value / door
@@ -82,7 +86,9 @@ def over_rloo(widths: np.ndarray, profile: Profile, flat: np.ndarray, door: int,
 
 def fit(correction: str, measured: dict[str, tuple[float, float, float]], widths: dict[str, np.ndarray],
         profile: Profile, flat: np.ndarray, door: int, grid: np.ndarray) -> dict:
-    """The value of ``correction`` on ``grid`` that fits ``measured`` (per shape: ratio, CI95 low, high) best."""
+    """The value of ``correction`` on ``grid`` that fits ``measured`` (per shape: ratio, CI95 low, high) best, with
+    its CI95: the values whose weighted squared error is within 3.84 of the least (one parameter, the log ratios
+    taken as normal); an end at the grid's edge means the grid cut it."""
     names = list(measured)
     rows = np.stack([widths[n] for n in names])
     log_measured = np.log([measured[n][0] for n in names])
@@ -91,8 +97,9 @@ def fit(correction: str, measured: dict[str, tuple[float, float, float]], widths
     errors = (((np.log(predicted) - log_measured) / sigma) ** 2).sum(axis=1)
     i = int(np.argmin(errors))
     inside = all(measured[n][1] <= predicted[i, j] <= measured[n][2] for j, n in enumerate(names))
-    return {"value": round(float(grid[i]), 4), "predicted": {n: round(float(predicted[i, j]), 3)
-                                                           for j, n in enumerate(names)},
+    allowed = grid[errors <= errors[i] + 3.84]
+    return {"value": round(float(grid[i]), 4), "ci95": [round(float(allowed.min()), 4), round(float(allowed.max()), 4)],
+            "predicted": {n: round(float(predicted[i, j]), 3) for j, n in enumerate(names)},
             "error": round(float(errors[i]), 3), "within_ci95": inside}
 
 
@@ -106,11 +113,12 @@ def best(candidates: np.ndarray, profile: Profile, flat: np.ndarray, door: int, 
     return {"over_rloo": round(float(ratios[i]), 3), "widths": fits[i].tolist()}
 
 
-def walk_injected(profile, door: int) -> dict:
+def walk_injected(profile: DepthProfile, door: int) -> dict:
     """The return variance the walk injects as the profile's trees measured it, before its fit: S_0 γ_0 − S_d γ_d
-    (d the door; ``se`` from the spread of the trees' values), and the trees behind each term: what the ``walk``
-    correction's D_w stands against."""
+    (d the door), and the trees behind each term: what the ``walk`` correction's D_w stands against. ``se`` takes
+    the two terms as independent, though some trees measure both (an approximation)."""
     mean, spread, trees = profile.variogram()
+    spread = np.maximum(spread, 0.0)  # a mean of squares less a squared mean can round below zero
     s = profile.survival
     value = s[0] * mean[0] - s[door] * mean[door]
     se = np.sqrt(sum(s[j] ** 2 * spread[j] / trees[j] for j in (0, door) if trees[j] > 0))
@@ -161,6 +169,8 @@ def main() -> None:
     for correction, grid in GRIDS.items():
         result = fit(correction, measured, widths, profile, flat, door, grid)
         result["best"] = best(plan.candidates, profile, flat, door, correction, result["value"])
+        # the least correction the measurements allow: the best shape at its most favourable to a tree
+        result["best_at_ci95_low"] = best(plan.candidates, profile, flat, door, correction, result["ci95"][0])
         out[correction] = result
         print(correction, result)
     print(json.dumps({**out, "target": TARGET, "wall_s": round(time.monotonic() - t0)}))

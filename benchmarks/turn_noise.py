@@ -95,7 +95,7 @@ def part_grams(draws: dict[str, Sequence[np.ndarray]], sums: dict[str, tuple[str
     rows = [g for name in names for g in draws[name]]
     gram = np.zeros((len(rows), len(rows)))
     for start in range(0, len(rows[0]), chunk):
-        block = np.stack([g[start:start + chunk] for g in rows]).astype(np.float64)
+        block = np.stack([g[start:start + chunk] for g in rows], dtype=np.float64)
         gram += block @ block.T
     span = {name: slice(i * n, (i + 1) * n) for i, name in enumerate(names)}
     out = {name: gram[span[name], span[name]] for name in names}
@@ -196,9 +196,9 @@ def part_gradients(rl, results, rare_below: float | None = None) -> dict[str, np
 
 def measure(model_dir, task, estimator: str, batches: int, warmup: int, seed: int, gradient: bool,
             bpo: dict | None = None, rare_below: float | None = None) -> dict:
-    """Per batch, the noise energies (and gradient parts, and their sum: the whole batch gradient); the mean
-    generated tokens per batch, and per part. ``bpo``: settings of the ``bpo:`` block on top of the learning
-    benchmark's."""
+    """Per batch, the noise energies; with ``gradient`` the Gram matrices over the batches of the gradient's parts
+    and of their sums (:func:`part_grams`); the mean generated tokens per batch, and per part. ``bpo``: settings of
+    the ``bpo:`` block on top of the learning benchmark's."""
     rl = trainer(model_dir, task, estimator, seed, tree_settings(), bpo=bpo)
     names = parts(rare_below)
     energies: dict[tuple[str, str], list[float]] = collections.defaultdict(list)

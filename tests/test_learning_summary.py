@@ -6,8 +6,8 @@ reaches the target in <= 0.75x RLOO's updates, with the upper end of that ratio'
 
 from __future__ import annotations
 
-import json
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -386,6 +386,7 @@ def test_shape_fit_recovers_a_correction_from_the_shapes_it_would_measure(correc
     measured = {name: (r, r / 1.3, r * 1.3) for name, r in zip(widths, truth)}
     result = fit.fit(correction, measured, widths, profile, flat, 3, fit.GRIDS[correction])
     assert result["value"] == pytest.approx(value, abs=2e-3)
+    assert result["ci95"][0] <= result["value"] <= result["ci95"][1] and result["ci95"][1] > result["value"]
     assert result["within_ci95"] and result["error"] < 1e-3
     other = "walk" if correction == "root" else "root"
     if value:  # the other correction cannot fit these figures as well
@@ -400,7 +401,16 @@ def test_when_all_noise_sits_at_the_root_no_tree_beats_rloo_per_token():
     candidates = candidate_widths(5, 32, 1, 0, 3)
     assert fit.over_rloo(flat[None], profile, flat, 3, "root", 0.4)[0] == pytest.approx(1.0)
     assert fit.best(candidates, profile, flat, 3, "root", 1.0) == {"over_rloo": 1.0, "widths": flat.tolist()}
-    assert fit.best(candidates, profile, flat, 3)["over_rloo"] < 0.7
+    model_best = fit.best(candidates, profile, flat, 3)
+    assert model_best["over_rloo"] < 0.7 and model_best["widths"][3] > 1  # it forks where the door is
+
+
+def test_fixed_shapes_refuse_a_task_without_a_door_at_its_last_step():
+    draws = load("gradient_draws")
+    from verl_bpo.demo.tasks import TASKS
+    assert draws.fixed_widths(TASKS["hard_late"], 4, 2).tolist() == [4, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1]
+    with pytest.raises(ValueError, match="no door at its last step"):
+        draws.fixed_widths(TASKS["hard_early"], 4, 2)
 
 
 def test_shape_fit_refuses_records_of_two_tasks(tmp_path):
