@@ -15,7 +15,9 @@ CI95's width in log / 3.92), and asks each corrected model what the best shape w
   beyond what the profile credits them (what its fitted variogram falls by across them: nothing at this warm
   start); added to the profile and priced by the model unchanged. The trees' returns measure what D_w stands
   for before any fit (``walk_injected_measured``: S_0 γ_0 − S_d γ_d, the return variogram at the root less at the
-  door d, with its SE), so this correction can be checked against them.
+  door d, with its SE), so this correction can be checked against them. ``--walk-mass M`` prices the walk's turns
+  at M × the model's gradient mass for this correction: the model takes each token's score as independent, and
+  routine walk tokens that share one score weigh more, so less return variance would do the same.
 
 For each: its parameter with a CI95 (the values within 3.84 of the least weighted squared error), its figure for
 each shape, the fit's weighted squared error, and ``best``: the least variance × tokens against RLOO's among the
@@ -28,7 +30,7 @@ within its CI95 is consistent with them, not shown to be the cause; the two corr
 noise could sit (at the root; on the walk).
 
     python benchmarks/shape_fit.py [--fixed-shapes docs/results/gradient_draws_hard_late_fixed_shapes.json]
-        [--learned docs/results/gradient_draws_hard_late_1024_waves.json] [--out runs/learning]
+        [--learned docs/results/gradient_draws_hard_late_1024_waves.json] [--walk-mass 1] [--out runs/learning]
 
 The depth profile is taught as ``gradient_draws.py``'s predictions are (its warm-up and 32 batches of BPO's trees
 at warm start 0, seed 0): on the kind of machine that made the records it gives their ``predicted_*`` figures,
@@ -38,7 +40,7 @@ Last line: one JSON object: ``task``, ``measured`` (per shape: ratio and CI95), 
 per correction (``root``, ``walk``) its ``value`` and ``ci95``, ``predicted`` per shape, ``error``,
 ``within_ci95`` (every shape's figure inside its CI95), ``best`` and ``best_at_ci95_low`` (``over_rloo``,
 ``widths``); the model's own ``best``;
-``walk_injected_measured``; the records' ``recorded_predictions``; ``target`` and ``wall_s``.
+``walk_injected_measured``; the records' ``recorded_predictions``; ``walk_mass``, ``target`` and ``wall_s``.
 """
 
 from __future__ import annotations
@@ -151,6 +153,9 @@ def main() -> None:
                         help="a recorded gradient_draws.py run with fixed-shape sets")
     parser.add_argument("--learned", type=Path, default=RESULTS / "gradient_draws_hard_late_1024_waves.json",
                         help="a recorded gradient_draws.py run with the learned set BPO, of the same task")
+    parser.add_argument("--walk-mass", type=float, default=1.0,
+                        help="the walk correction prices the walk's turns at this multiple of the model's gradient "
+                             "mass (e.g. 8: as if its routine tokens shared one score)")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"), help="where the warm start is cached")
     args = parser.parse_args()
     t0 = time.monotonic()
@@ -166,14 +171,18 @@ def main() -> None:
            "model": {"predicted": model, "best": best(plan.candidates, profile, flat, door)},
            "recorded_predictions": recorded}
     out["walk_injected_measured"] = walk_injected(depth_profile, door)
+    walk_mass = profile.mass.copy()
+    walk_mass[:door] *= args.walk_mass
+    priced = {"root": profile, "walk": profile._replace(mass=walk_mass)}
     for correction, grid in GRIDS.items():
-        result = fit(correction, measured, widths, profile, flat, door, grid)
-        result["best"] = best(plan.candidates, profile, flat, door, correction, result["value"])
+        result = fit(correction, measured, widths, priced[correction], flat, door, grid)
+        result["best"] = best(plan.candidates, priced[correction], flat, door, correction, result["value"])
         # the least correction the measurements allow: the best shape at its most favourable to a tree
-        result["best_at_ci95_low"] = best(plan.candidates, profile, flat, door, correction, result["ci95"][0])
+        result["best_at_ci95_low"] = best(plan.candidates, priced[correction], flat, door, correction,
+                                          result["ci95"][0])
         out[correction] = result
         print(correction, result)
-    print(json.dumps({**out, "target": TARGET, "wall_s": round(time.monotonic() - t0)}))
+    print(json.dumps({**out, "walk_mass": args.walk_mass, "target": TARGET, "wall_s": round(time.monotonic() - t0)}))
 
 
 if __name__ == "__main__":
