@@ -52,8 +52,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from learning import (BENCHMARK_TASKS, GRAD_WARMUP, ROLLOUT_N, bootstrap, gradient_draws, signal_to_noise,
@@ -190,11 +189,12 @@ def fixed_shape(task, root: int, width: int) -> dict:
 def fixed_widths(task, root: int, width: int = 1) -> np.ndarray:
     """The allocation model's widths (:mod:`verl_bpo.core.shape`) of ``root`` paths, each forked into ``width`` at
     :func:`door_depth` (``root`` = N, ``width`` = 1: RLOO's flat group); signpost tasks whose door comes last."""
-    if door_depth(task) is None:
+    door = door_depth(task)
+    if door is None:
         raise ValueError(f"task {task.name} has no door at its last step: fixed shapes fork where a signpost's is")
     widths = np.ones(task.max_turns, dtype=np.int64)
     widths[0] = root
-    widths[door_depth(task)] = width
+    widths[door] = width
     return widths
 
 
@@ -217,21 +217,44 @@ def learned_plan(model_dir: Path, task) -> tuple[AllocationPlan, DepthProfile]:
     return AllocationPlan(policy.config, n, policy.profile, random.Random(0), root_budget=flat_tokens), policy.profile
 
 
+class Profile(NamedTuple):
+    """What the allocation model prices a shape by, per depth: the return variance it credits to the depth, the
+    gradient mass, and the generated tokens per sample."""
+
+    credited: np.ndarray
+    mass: np.ndarray
+    per_sample: np.ndarray
+
+    @classmethod
+    def of(cls, profile: DepthProfile) -> Profile:
+        """The model's view of a taught depth profile, in generated tokens."""
+        return cls(profile.credited_variance(), profile.gradient_mass(), profile.per_sample_cost("tokens"))
+
+
+def variance_over_flat(widths: np.ndarray, profile: Profile, flat: np.ndarray) -> np.ndarray:
+    """The model's gradient variance of each row of ``widths`` ``(M, T)`` over ``flat``'s (RLOO: N root paths)."""
+    from verl_bpo.core.shape import shape_variance
+
+    return (shape_variance(widths, profile.credited, profile.mass)
+            / shape_variance(flat[None], profile.credited, profile.mass)[0])
+
+
+def cost_over_flat(widths: np.ndarray, profile: Profile, flat: np.ndarray) -> np.ndarray:
+    """The generated tokens of each row of ``widths`` ``(M, T)`` over ``flat``'s."""
+    from verl_bpo.core.shape import shape_cost
+
+    return shape_cost(widths, profile.per_sample) / shape_cost(flat[None], profile.per_sample)[0]
+
+
 def predicted_over_rloo(model_dir: Path, task, shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
     """What the allocation model (:mod:`verl_bpo.core.shape`) predicts of each shape's gradient variance × generated
     tokens against RLOO's (N root paths), from the profile of :func:`learned_plan`, and of the learned shape."""
-    from verl_bpo.core.shape import shape_cost, shape_variance
-
-    plan, profile = learned_plan(model_dir, task)
-    injected, mass, per_sample = profile.credited_variance(), profile.gradient_mass(), profile.per_sample_cost("tokens")
-
-    def per_token(widths: np.ndarray) -> float:
-        return float(shape_variance(widths[None], injected, mass)[0] * shape_cost(widths[None], per_sample)[0])
-
-    rloo = per_token(fixed_widths(task, plan.rollout_n))
-    return {"learned": per_token(plan.shape.widths) / rloo,
-            **{name: per_token(fixed_widths(task, *shape)) / rloo for name, shape in shapes.items()}}
-
+    plan, depth_profile = learned_plan(model_dir, task)
+    profile, flat = Profile.of(depth_profile), fixed_widths(task, plan.rollout_n)
+    widths = {"learned": plan.shape.widths, **{name: fixed_widths(task, *shape) for name, shape in shapes.items()}}
+    rows = np.stack(list(widths.values()))
+    ratios = variance_over_flat(rows, profile, flat) * cost_over_flat(rows, profile, flat)
+    return {name: float(r) for name, r in zip(widths, ratios)}
 
 if __name__ == "__main__":
     main()

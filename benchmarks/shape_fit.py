@@ -49,13 +49,12 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
-from gradient_draws import door_depth, fixed_widths, learned_plan
+from gradient_draws import Profile, cost_over_flat, door_depth, fixed_widths, learned_plan, variance_over_flat
 
 from verl_bpo.core.profile import DepthProfile
-from verl_bpo.core.shape import shape_cost, shape_variance
+from verl_bpo.core.shape import shape_cost
 from verl_bpo.demo.tasks import TASKS, task_model
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -63,27 +62,18 @@ TARGET = 0.5
 GRIDS = {"root": np.linspace(0.0, 0.5, 501), "walk": np.linspace(0.0, 0.3, 601)}  # b; D_w
 
 
-class Profile(NamedTuple):
-    """What the model prices a shape by, per depth: the return variance it credits to the depth, the gradient mass,
-    and the generated tokens per sample."""
-
-    credited: np.ndarray
-    mass: np.ndarray
-    per_sample: np.ndarray
-
-
 def over_rloo(widths: np.ndarray, profile: Profile, flat: np.ndarray, door: int, correction: str | None = None,
               value: float = 0.0) -> np.ndarray:
     """Variance × generated tokens of each row of ``widths`` ``(M, T)`` against ``flat``'s (RLOO: N root paths),
     under the model with ``correction`` (module docstring) at ``value``; ``door``: the depth of the door."""
-    injected = profile.credited
     if correction == "walk":
-        injected = injected.copy()
+        injected = profile.credited.copy()
         injected[:door] += value / door
-    variance = shape_variance(widths, injected, profile.mass) / shape_variance(flat[None], injected, profile.mass)[0]
+        profile = profile._replace(credited=injected)
+    variance = variance_over_flat(widths, profile, flat)
     if correction == "root":
         variance = (1 - value) * variance + value * (flat[0] - 1) / (widths[:, 0] - 1)
-    return variance * shape_cost(widths, profile.per_sample) / shape_cost(flat[None], profile.per_sample)[0]
+    return variance * cost_over_flat(widths, profile, flat)
 
 
 def fit(correction: str, measured: dict[str, tuple[float, float, float]], widths: dict[str, np.ndarray],
@@ -162,8 +152,7 @@ def main() -> None:
     name, measured, shapes, recorded = measurements(args.fixed_shapes, args.learned)
     task = TASKS[name]
     plan, depth_profile = learned_plan(task_model(args.out, task), task)
-    profile = Profile(depth_profile.credited_variance(), depth_profile.gradient_mass(),
-                      depth_profile.per_sample_cost("tokens"))
+    profile = Profile.of(depth_profile)
     flat, door = fixed_widths(task, plan.rollout_n), door_depth(task)
     widths = {"learned": plan.shape.widths, **{n: fixed_widths(task, *s) for n, s in shapes.items()}}
     model = {n: round(float(over_rloo(w[None], profile, flat, door)[0]), 3) for n, w in widths.items()}

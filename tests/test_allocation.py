@@ -38,6 +38,10 @@ def test_variogram_by_split_depth_on_a_hand_built_tree():
     np.testing.assert_allclose(profile._gamma[[0, 2]], [0.25, 0.5])
     np.testing.assert_allclose(profile.survival, [1.0, 1.0, 0.5, 0.0])  # mass-weighted: the turn at depth 2 on half
 
+    mean, _, trees = profile.variogram()
+    np.testing.assert_allclose(mean[[0, 2]], [0.25, 0.5])
+    trees[:] = 0.0  # the caller's copy: the profile's own counts stay
+    assert profile.variogram()[2][0] > 0
 
 def test_variogram_weights_pairs_by_their_leaves_masses():
     # Root fork of 3: child 1 forks again into leaves 4, 5 (mass 1/6 each); children 2, 3 are leaves (mass 1/3).

@@ -191,7 +191,7 @@ class DepthProfile:
     def variogram(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """γ_j as the trees measured it, before any fit, per depth: its mean over the trees that split there (0
         where none did), the variance of the trees' values about it, and the trees (faded) that measured it."""
-        n = self._gamma_trees
+        n = self._gamma_trees.copy()  # the caller's to keep: the profile goes on updating its own
         mean = np.where(n > 0, self._gamma / np.maximum(n, 1e-12), 0.0)
         spread = np.where(n > 1, self._gamma_sq / np.maximum(n, 1e-12) - mean ** 2, 0.0)
         return mean, spread, n
