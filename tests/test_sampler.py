@@ -182,6 +182,43 @@ def test_probe_score_spends_extra_generations():
     assert result.metrics["bpo/generated_tokens"] > result.metrics["bpo/env_steps"] * 2  # and count as compute
 
 
+
+def test_a_failed_fork_score_cancels_the_other_scores_of_its_wave():
+    """A probe that fails is the tree's error, and the wave's other probes, still generating, are cancelled with it
+    before the tree returns: none runs on after the tree has closed its sandboxes."""
+
+    class FailingProbes(ScriptedLLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.probes, self.hanging, self.cancelled = 0, 0, 0
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params):
+            if sampling_params.get("max_tokens") != 1:  # a turn (probes take probe_tokens = 1)
+                return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+            self.probes += 1
+            if self.probes == 1:
+                await asyncio.sleep(0.01)  # the others start first
+                raise RuntimeError("probe failed")
+            self.hanging += 1
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+    llm = FailingProbes()
+    config, n = tree(8, fixed={"k": 2, "k0": 4, "score": "probe_surprisal", "probe_tokens": 1})
+
+    async def run() -> None:
+        sampler = TreeSampler(config, n, 256, CountingSmoke, TASK, llm, WordCodec(), tree_id="t")
+        with pytest.raises(RuntimeError, match="probe failed"):
+            await sampler.run()
+        # read before asyncio.run's shutdown cancels whatever is left
+        assert llm.hanging >= 2 and llm.cancelled == llm.hanging
+
+    asyncio.run(run())
+    assert CountingSmoke.live == 0
+
 def test_credit_on_sampled_trees_is_finite():
     result, _ = grow(tree(8, fixed={"k": 2, "k0": 2}), seed=5)
     credit = compute_credit(leaf_rows(result).forest)
