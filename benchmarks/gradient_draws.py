@@ -256,5 +256,6 @@ def predicted_over_rloo(model_dir: Path, task, shapes: dict[str, tuple[int, int]
     ratios = variance_over_flat(rows, profile, flat) * cost_over_flat(rows, profile, flat)
     return {name: float(r) for name, r in zip(widths, ratios)}
 
+
 if __name__ == "__main__":
     main()

@@ -43,6 +43,7 @@ def test_variogram_by_split_depth_on_a_hand_built_tree():
     trees[:] = 0.0  # the caller's copy: the profile's own counts stay
     assert profile.variogram()[2][0] > 0
 
+
 def test_variogram_weights_pairs_by_their_leaves_masses():
     # Root fork of 3: child 1 forks again into leaves 4, 5 (mass 1/6 each); children 2, 3 are leaves (mass 1/3).
     record = TreeRecord(leaf_paths=[(0, 1, 4), (0, 1, 5), (0, 2), (0, 3)], leaf_returns=[1.0, 1.0, 0.0, 0.0],

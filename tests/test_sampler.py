@@ -182,7 +182,6 @@ def test_probe_score_spends_extra_generations():
     assert result.metrics["bpo/generated_tokens"] > result.metrics["bpo/env_steps"] * 2  # and count as compute
 
 
-
 def test_a_failed_fork_score_cancels_the_other_scores_of_its_wave():
     """A probe that fails is the tree's error, and the wave's other probes, still generating, are cancelled with it
     before the tree returns: none runs on after the tree has closed its sandboxes."""
@@ -207,7 +206,8 @@ def test_a_failed_fork_score_cancels_the_other_scores_of_its_wave():
                 raise
 
     llm = FailingProbes()
-    config, n = tree(8, fixed={"k": 2, "k0": 4, "score": "probe_surprisal", "probe_tokens": 1})
+    config, n = tree(8, fixed={"k": 2, "k0": 4, "score": "probe_surprisal", "probe_tokens": 1,
+                               "selector": "topB_wave"})  # waves: one _decide scores many
 
     async def run() -> None:
         sampler = TreeSampler(config, n, 256, CountingSmoke, TASK, llm, WordCodec(), tree_id="t")
@@ -218,6 +218,7 @@ def test_a_failed_fork_score_cancels_the_other_scores_of_its_wave():
 
     asyncio.run(run())
     assert CountingSmoke.live == 0
+
 
 def test_credit_on_sampled_trees_is_finite():
     result, _ = grow(tree(8, fixed={"k": 2, "k0": 2}), seed=5)

@@ -223,7 +223,7 @@ class TreeSampler:
         plan = self.plan
         views = [(b, b.view(self.config.max_turns)) for b in branches]
         candidates = [(b, v) for b, v in views if plan.eligible(v)]
-        if plan.uses_scores:  # in one group: a score that fails cancels the others (a probe generates)
+        if plan.uses_scores:  # one group: a failing score cancels the others (probes would outlive the tree)
             async with _branch_tasks() as group:
                 scoring = [group.create_task(self.scorer(b, v)) for b, v in candidates]
             scores = [task.result() for task in scoring]
