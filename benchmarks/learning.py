@@ -8,8 +8,8 @@ reveals the outcome — is step-bound at its learning rate (RLOO with twice the 
 updates), so it cannot test a variance claim; it stays as the reference (``--tasks late early``). The real-engine
 pair is opt-in (``--tasks real_late real_early``): neither control has qualified (README), and with it the default run
 would outgrow two hours on two cores (its warm starts know the training games' routes and do not carry to unseen ones,
-so it evaluates on its training games). The default run covers the other tasks, ``hard_late`` and ``hard_early``. Each task sets its batch (tasks per update), its updates per run and its
-trained response length.
+so it evaluates on its training games). The default run covers the other tasks, ``hard_late`` and ``hard_early``.
+Each task sets its batch (tasks per update), its updates per run and its trained response length.
 
 For each task and seed, every estimator trains from the same warm start on the same task order with
 :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator registry and policy loss with the

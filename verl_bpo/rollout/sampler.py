@@ -52,7 +52,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sandbox_adapters.base import Observation, Sandbox, Snapshot, SnapshotKind, StepResult
 from verl_bpo.core.config import BPOConfig
@@ -66,6 +66,7 @@ from verl_bpo.rollout.tree_state import Anchor, Branch, TreeResult, TreeState, d
 __all__ = ["TreeSampler"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Snapshot kinds cheap enough to take before every step, so that a failed step is retried from a snapshot of the
 # state just before it; other kinds (a filesystem layer, a forked process) keep their fork's snapshot and replay.
@@ -96,11 +97,11 @@ async def _branch_tasks() -> AsyncIterator[asyncio.TaskGroup]:
         raise errors.exceptions[0] from None
 
 
-async def _together(coroutines: Iterable[Coroutine[Any, Any, None]]) -> None:
-    """Run ``coroutines`` concurrently in one :func:`_branch_tasks` group."""
+async def _together(coroutines: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coroutines`` concurrently in one :func:`_branch_tasks` group; their results, in order."""
     async with _branch_tasks() as group:
-        for coroutine in coroutines:
-            group.create_task(coroutine)
+        tasks = [group.create_task(coroutine) for coroutine in coroutines]
+    return [task.result() for task in tasks]
 
 
 class TreeSampler:
@@ -224,9 +225,7 @@ class TreeSampler:
         views = [(b, b.view(self.config.max_turns)) for b in branches]
         candidates = [(b, v) for b, v in views if plan.eligible(v)]
         if plan.uses_scores:  # one group: a failing score cancels the others (probes would outlive the tree)
-            async with _branch_tasks() as group:
-                scoring = [group.create_task(self.scorer(b, v)) for b, v in candidates]
-            scores = [task.result() for task in scoring]
+            scores = await _together(self.scorer(b, v) for b, v in candidates)
         else:
             scores = [0.0] * len(candidates)
         forked: list[Branch] = []
