@@ -160,8 +160,9 @@ def task_at_warm_start(name: str, out: Path) -> tuple[DemoTask, Path]:
 
 
 def task_form(name: str) -> str | None:
-    """``late`` or ``early``: where the task's decision sits (its targets), from its name (``hard_late``, ...)."""
-    return next((form for form in TARGETS if name == form or name.endswith(f"_{form}")), None)
+    """``late`` or ``early``: where the task's decision sits (its targets), from a word of its name (``hard_late``,
+    ``real_late_exit``, ...)."""
+    return next((form for form in TARGETS if form in name.split("_")), None)
 
 
 def bpo_block(task: DemoTask, estimator: str, tree: dict, extra: dict | None = None) -> dict:

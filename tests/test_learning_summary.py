@@ -239,8 +239,9 @@ def test_a_task_already_at_the_target_does_not_qualify():
 def test_default_tasks_leave_out_the_step_bound_reference():
     assert learning.default_tasks() == ["hard_late", "hard_early"]  # the real-engine pair is opt-in for now
     assert {"real_late", "real_early"} <= set(learning.BENCHMARK_TASKS)
-    assert [learning.task_form(t) for t in ("late", "hard_late", "real_late", "early", "hard_early", "x")] == [
-        "late", "late", "late", "early", "early", None]
+    assert [learning.task_form(t) for t in ("late", "hard_late", "real_late", "real_late_exit", "early", "hard_early",
+                                             "x", "latex")] == ["late", "late", "late", "late", "early", "early", None,
+                                                                None]
 
 
 def test_trained_tokens_of_a_tree_in_leaf_and_packed_layout():

@@ -30,9 +30,16 @@ def test_tasks_differ_only_in_where_the_decision_sits():
     # evaluation plays the training games (sampled episodes of its own): the warm start knows their routes only
     assert late.eval_ids == late.train_ids and late.max_turns == late.sandbox_config["max_steps"] >= 8
     assert tw.QUEST_LENGTH >= 3 and tw.CHALLENGE in CHALLENGES
+    # the late form whose decision differs between games: real_late on fewer games, deciding the last move
+    exit_ = tw.real_late_exit
+    assert exit_.name.split("_")[1] == "late" and exit_.eval_ids == exit_.train_ids == range(tw.N_EXIT_GAMES)
+    assert dataclasses.replace(exit_, name=late.name, warm_start=late.warm_start, train_ids=late.train_ids,
+                               eval_ids=late.eval_ids) == late
+    assert exit_.warm_start["decisive"] == "next_to_last"
 
 
-@pytest.mark.parametrize(("decisive", "index"), [("last", len(WALKTHROUGH) - 1), ("first", 0)])
+@pytest.mark.parametrize(("decisive", "index"),
+                         [("last", len(WALKTHROUGH) - 1), ("next_to_last", len(WALKTHROUGH) - 2), ("first", 0)])
 def test_demonstrator_follows_the_walkthrough_except_at_the_decisive_step(decisive, index):
     assert tw.decisive_step(len(WALKTHROUGH), decisive) == index
     picks = {turn: set() for turn in range(len(WALKTHROUGH))}
@@ -128,7 +135,7 @@ def test_task_sandbox_resets_steps_and_wins_along_the_walkthrough(built):
 @pytest.mark.slow
 def test_demonstration_chats_follow_the_walkthrough(built):
     out, _ = built
-    for task in (tw.real_late, tw.real_early):
+    for task in tw.TEXTWORLD_TASKS.values():
         task = tw.with_games(dataclasses.replace(task, train_ids=range(1),
                                                  warm_start={**task.warm_start, "noise": 0.0}), out)
         walkthrough = game_walkthrough(make_sandbox("textworld", task.sandbox_config).resolve_game({"task_id": 0}))
@@ -136,7 +143,7 @@ def test_demonstration_chats_follow_the_walkthrough(built):
         for chat in tw.demonstration_chats(task, episodes=4):
             actions = [m["content"] for m in chat if m["role"] == "assistant"]
             assert len(actions) <= task.max_turns  # slack turns after a wrong guess, up to the budget
-            if index == len(walkthrough) - 1:
+            if index > 0:  # the walkthrough up to the guess; after a late guess no slack is left to recover
                 assert actions[:index] == walkthrough[:index]
             elif actions[0] == walkthrough[0]:  # after the guess, the walkthrough wherever it is still admissible
                 assert actions == walkthrough

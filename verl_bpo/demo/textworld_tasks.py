@@ -1,4 +1,4 @@
-"""The real-engine task pair of the learning benchmark: generated TextWorld games, the decision late or early.
+"""The real-engine tasks of the learning benchmark: generated TextWorld games, the decision late or early.
 
 ``real_late``  — a fixed set of ``tw-coin_collector`` games of level 8 (a chain of eight rooms without dead ends:
                  seven moves, then "take coin" in the last room), played on the real engine
@@ -15,17 +15,22 @@
 ``real_early`` — the same games, engine, settings and warm start with the decisive step the walkthrough's **first**
                  (the first room's one exit among "look" and "inventory"): the first command decides and the walk
                  after it only reveals the outcome.
+``real_late_exit`` — ``real_late`` on its first :data:`N_EXIT_GAMES` games with the decisive step the walkthrough's
+                 **next-to-last**, the move out of the seventh room (two exits, "look" and "inventory" listed): a
+                 decision read from the observation (the exit not come in by) whose command differs between games,
+                 where ``real_late``'s "take coin" is the same in every game, so that an update's successes need not
+                 point the same way. Its early twin is ``real_early`` (a move as well, the first).
 
 Games are generated as part of building the task (:func:`build_games`, deterministic by seed, cached under the
 benchmark's output directory). **Evaluation plays the training games** (``eval_ids`` = ``train_ids``), in sampled
-episodes of their own (never an update's rollouts, the same games and sandbox seeds for every estimator): the warm
-start learns each training game's route, not a rule that carries it through games it never saw (measured below), so
-on unseen chains every estimator would read zero. What RL has to learn, the decisive command, is the same in every
-game ("take coin" last; the first room's one exit first). The tiny model's tokenizer is trained on this engine's chats
-and its warm start on the demonstrator's (:func:`textworld_task_model`). A task's ``sandbox_config`` names no
-``games_dir`` until :func:`with_games` gives it the cache directory. Observations are the engine's, every admissible
-command listed; only the ASCII-art title of the first turn is stripped (``strip_banner``: a hundred tokens that carry
-nothing). Episodes take about 236 prompt and 580 response tokens.
+episodes of their own (never an update's rollouts, the same games and sandbox seeds for every estimator): the warm start
+learns each training game's route, not a rule that carries it through games it never saw (measured below), so on unseen
+chains every estimator would read zero. What RL has to learn, the decisive command, is the same kind of command in every
+game ("take coin" last; the first room's one exit first; the seventh room's onward exit). The tiny model's tokenizer is
+trained on this engine's chats and its warm start on the demonstrator's (:func:`textworld_task_model`). A task's
+``sandbox_config`` names no ``games_dir`` until :func:`with_games` gives it the cache directory. Observations are the
+engine's, every admissible command listed; only the ASCII-art title of the first turn is stripped (``strip_banner``: a
+hundred tokens that carry nothing). Episodes take about 236 prompt and 580 response tokens.
 
 Why coin collector (measured, ``real_late``'s sampled episodes, temperature 1): the earlier games of this pair were
 ``tw-make custom`` quests (one room, 5 objects, quests of 5 steps: take a key, unlock a container, ...), where the
@@ -61,7 +66,7 @@ from verl_bpo.demo.tiny_model import build_tiny_model, default_corpus
 from verl_bpo.demo.warm_start import play_chats, random_policy_chats, warm_start
 
 __all__ = ["CHALLENGE", "GAME_SETTINGS", "QUEST_LENGTH", "N_TRAIN", "MAX_STEPS",
-           "TEXTWORLD_TASKS", "real_late", "real_early", "games_dir", "build_games",
+           "TEXTWORLD_TASKS", "real_late", "real_early", "real_late_exit", "N_EXIT_GAMES", "games_dir", "build_games",
            "with_games", "decisive_step", "demonstrator_action", "demonstration_chats", "textworld_task_model"]
 
 CHALLENGE = "tw-coin_collector"
@@ -85,7 +90,14 @@ real_late = DemoTask(
 # Derived from ``real_late`` so that the two tasks differ, by construction, only in where the decision sits.
 real_early = dataclasses.replace(real_late, name="real_early",
                                  warm_start={**real_late.warm_start, "decisive": "first"})
-TEXTWORLD_TASKS = {task.name: task for task in (real_late, real_early)}
+# The decision read from the observation and different in every game: which of the seventh room's exits leads on.
+# Fewer games, so that each recurs about three times in 24 updates of two and a game's own decision can be learned
+# from its rollouts. Not calibrated before its control ran (README).
+N_EXIT_GAMES = 16
+real_late_exit = dataclasses.replace(real_late, name="real_late_exit", train_ids=range(0, N_EXIT_GAMES),
+                                     eval_ids=range(0, N_EXIT_GAMES),
+                                     warm_start={**real_late.warm_start, "decisive": "next_to_last"})
+TEXTWORLD_TASKS = {task.name: task for task in (real_late, real_early, real_late_exit)}
 
 
 def games_dir(out: str | Path) -> Path:
@@ -142,11 +154,14 @@ def with_games(task: DemoTask, out: str | Path) -> DemoTask:
                                                      "games_dir": str(games_dir(out).resolve())})
 
 
+DECISIVE_STEPS = {"last": -1, "next_to_last": -2, "first": 0}  # the walkthrough's step, from its end when negative
+
+
 def decisive_step(walkthrough_length: int, decisive: str) -> int:
-    """The index of the walkthrough step where the demonstrator guesses: ``last`` or ``first``."""
-    if decisive not in ("last", "first"):
-        raise ValueError(f"decisive must be 'last' or 'first', got {decisive!r}")
-    return walkthrough_length - 1 if decisive == "last" else 0
+    """The index of the walkthrough step where the demonstrator guesses: one of :data:`DECISIVE_STEPS`."""
+    if decisive not in DECISIVE_STEPS:
+        raise ValueError(f"decisive must be one of {sorted(DECISIVE_STEPS)}, got {decisive!r}")
+    return DECISIVE_STEPS[decisive] % walkthrough_length
 
 
 def demonstrator_action(turn: int, played: int, walkthrough: Sequence[str], admissible: Sequence[str],
@@ -191,9 +206,10 @@ def demonstration_chats(task: DemoTask, episodes: int | None = None, seed: int =
 
 def _corpus(out: Path) -> list[str]:
     """The tokenizer's corpus: the default lines and this engine's chats (demonstrator and random policy) on the
-    training games of both tasks."""
+    training games of ``real_late`` and ``real_early`` (``real_late_exit`` plays some of the same games, so the
+    tokenizer and its cache stay as they were before it)."""
     lines = default_corpus()
-    for task in TEXTWORLD_TASKS.values():
+    for task in (real_late, real_early):
         task = with_games(task, out)
         chats = demonstration_chats(task, episodes=2 * len(task.train_ids), seed=1)
         chats += random_policy_chats(task.sandbox, task.sandbox_config, task.tasks(task.train_ids),
