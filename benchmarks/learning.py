@@ -1,32 +1,33 @@
 """The paper's learning claims, measured: BPO vs GRPO vs RLOO trained at matched generated tokens per update.
 
-Tasks: the embedded ones (``verl_bpo.demo.tasks.TASKS``) and the real-engine pair ``real_late`` / ``real_early``
-(``verl_bpo.demo.textworld_tasks``: generated TextWorld games on the real engine, made under ``--out`` on first use).
-The reference pair, ``late`` — the signpost corridor, where routine moves come first and the one decisive choice
-last — and ``early`` — the same corridor with the choice first, so the first move decides and the walk after it only
-reveals the outcome — is step-bound at its learning rate (RLOO with twice the rollouts takes exactly RLOO's
-updates), so it cannot test a variance claim; it stays as the reference (``--tasks late early``). The real-engine
-pair is opt-in (``--tasks real_late real_early``): neither control has qualified (README), and with it the default run
-would outgrow two hours on two cores (its warm starts know the training games' routes and do not carry to unseen ones,
-so it evaluates on its training games). The default run covers the other tasks, ``hard_late`` and ``hard_early``.
+Tasks: the embedded ones (``verl_bpo.demo.tasks.TASKS``) and the real-engine ones ``real_late`` / ``real_early`` and
+``real_late_exit`` (``verl_bpo.demo.textworld_tasks``: generated TextWorld games on the real engine, made under
+``--out`` on first use). The reference pair, ``late`` — the signpost corridor, where routine moves come first and the
+one decisive choice last — and ``early`` — the same corridor with the choice first, so the first move decides and the
+walk after it only reveals the outcome — is step-bound at its learning rate (RLOO with twice the rollouts takes exactly
+RLOO's updates), so it cannot test a variance claim; it stays as the reference (``--tasks late early``). The real-engine
+tasks are opt-in (``--tasks real_late real_early real_late_exit``): no control of theirs has qualified (README), and
+with them the default run would outgrow two hours on two cores (their warm starts know the training games' routes and do
+not carry to unseen ones, so they evaluate on their training games). The default run covers the other tasks,
+``hard_late`` and ``hard_early``.
 Each task sets its batch (tasks per update), its updates per run and its trained response length.
 
 For each task and seed, every estimator trains from the same warm start on the same task order with
 :class:`verl_bpo.local.trainer.LocalRL` (the real tree sampler, verl's estimator registry and policy loss with the
-arguments verl's actor passes; an in-process policy and optimizer instead of vLLM and FSDP, so that several seeds fit
-on a CPU box). Each seed has its own warm start (``--warm-starts per-seed``, the default: seed s trains from
+arguments verl's actor passes; an in-process policy and optimizer instead of vLLM and FSDP, so that several seeds fit on
+a CPU box). Each seed has its own warm start (``--warm-starts per-seed``, the default: seed s trains from
 ``task_model(..., seed=s)``, the same recipe on other demonstrations), so the paired bootstrap over seeds spans warm
 starts as well as training draws: with one warm start for every seed (``--warm-starts one``, the records before
-2026-12-06) the qualification verdict moved from one box to another, because each box's floating point trains
-another warm start. Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per
-task with ``bpo.allocation=learned`` and ``bpo.learned.budget_unit=tokens``, up to ``--max-leaves`` leaves. Its tree's
-token budget is, by default (``--match grpo``), exactly the tokens GRPO's group generated on the same task at the same
-update of the same seed (GRPO trains first), so BPO and GRPO are matched in generated tokens per update throughout
-training, not only at the warm start; ``--match rloo`` pairs with RLOO instead, and ``--match own`` gives each tree
-what N flat rollouts of BPO's own policy would generate, learned from its earlier trees (the tokens then follow each
-estimator's policy and are matched at the warm start only). Every update has the same tasks, learning rate (the task's, or
-``--lr``) and one AdamW step (``eps`` 1e-5, ``--adam-eps``: with torch's 1e-8 single updates break the warm start's
-format for every estimator, ``benchmarks/first_updates.py``).
+2026-12-06) the qualification verdict moved from one box to another, because each box's floating point trains another
+warm start. Matched compute: GRPO and RLOO take N = 8 independent rollouts per task; BPO grows one tree per task with
+``bpo.allocation=learned`` and ``bpo.learned.budget_unit=tokens``, up to ``--max-leaves`` leaves. Its tree's token
+budget is, by default (``--match grpo``), exactly the tokens GRPO's group generated on the same task at the same update
+of the same seed (GRPO trains first), so BPO and GRPO are matched in generated tokens per update throughout training,
+not only at the warm start; ``--match rloo`` pairs with RLOO instead, and ``--match own`` gives each tree what N flat
+rollouts of BPO's own policy would generate, learned from its earlier trees (the tokens then follow each estimator's
+policy and are matched at the warm start only). Every update has the same tasks, learning rate (the task's, or ``--lr``)
+and one AdamW step (``eps`` 1e-5, ``--adam-eps``: with torch's 1e-8 single updates break the warm start's format for
+every estimator, ``benchmarks/first_updates.py``).
 
 **Qualification, fixed before any BPO run.** A task counts for the claims only if it is noise-limited, shown by the
 control alone. Per task, the control trains first: for every seed RLOO and RLOO with 2N rollouts per task (exactly
@@ -41,7 +42,7 @@ BPO train; the targets apply only to qualified tasks, and tasks that fail the ru
 Measured, per task, seed and estimator:
 
 * **success curve** — every ``--eval-every`` updates, the success rate of ``--eval-episodes`` independent sampled
-  episodes on each evaluation task (task ids never trained on, except the real-engine pair's: its training games,
+  episodes on each evaluation task (task ids never trained on, except the real-engine tasks': their training games,
   in episodes of their own; the same tasks and sandbox seeds for every estimator);
 * **updates to target** — the first evaluated update whose success reaches the task's target (a seed that never
   does counts as updates + ``--eval-every``, stated as censored);
@@ -112,7 +113,7 @@ ESTIMATORS = ("bpo", "grpo", "rloo")
 BASELINES = ("grpo", "rloo")
 CONTROL = "rloo_2n"  # RLOO with 2N rollouts per task: half RLOO's variance per update, twice its tokens
 REFERENCE_TASKS = ("late", "early")  # step-bound at their learning rate: the reference, not the default run
-BENCHMARK_TASKS = {**TASKS, **TEXTWORLD_TASKS}  # the embedded tasks and the real-engine pair
+BENCHMARK_TASKS = {**TASKS, **TEXTWORLD_TASKS}  # the embedded tasks and the real-engine ones
 # Not in the default run until their control has run (calibration first: textworld_tasks' docstring).
 OPT_IN_TASKS = tuple(TEXTWORLD_TASKS)
 ROLLOUT_N, MAX_TOKENS_PER_TURN = 8, 6
@@ -136,7 +137,7 @@ TRAINED_TOKENS_LAYOUT = ("trained_tokens_leaf: one row per leaf (prompt + respon
 
 
 def default_tasks() -> list[str]:
-    """Every task but the step-bound reference pair and the opt-in real-engine pair."""
+    """Every task but the step-bound reference pair and the opt-in real-engine tasks."""
     return [name for name in BENCHMARK_TASKS if name not in (*REFERENCE_TASKS, *OPT_IN_TASKS)]
 
 
@@ -518,7 +519,7 @@ def summarize(name: str, runs: dict, grads: dict, *, target: float, updates: int
     }
 
 
-# The real-engine pair evaluates on its training games, in sampled episodes of their own (textworld_tasks).
+# The real-engine tasks evaluate on their training games, in sampled episodes of their own (textworld_tasks).
 EVALUATED = {False: "held-out success rate", True: "success rate (training games, own episodes)"}
 
 

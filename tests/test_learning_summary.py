@@ -237,8 +237,8 @@ def test_a_task_already_at_the_target_does_not_qualify():
 
 
 def test_default_tasks_leave_out_the_step_bound_reference():
-    assert learning.default_tasks() == ["hard_late", "hard_early"]  # the real-engine pair is opt-in for now
-    assert {"real_late", "real_early"} <= set(learning.BENCHMARK_TASKS)
+    assert learning.default_tasks() == ["hard_late", "hard_early"]  # the real-engine tasks are opt-in for now
+    assert {"real_late", "real_early", "real_late_exit"} <= set(learning.BENCHMARK_TASKS)
     assert [learning.task_form(t) for t in ("late", "hard_late", "real_late", "real_late_exit", "early", "hard_early",
                                              "x", "latex")] == ["late", "late", "late", "late", "early", "early", None,
                                                                 None]
@@ -295,7 +295,7 @@ def test_a_saved_control_is_reused_only_under_the_settings_it_was_trained_with(t
 
 
 def test_a_real_engine_task_trains_on_the_games_under_its_output_directory(tmp_path):
-    """The real-engine pair names its games (made under ``--out``) and trains its longer episodes; an embedded task
+    """A real-engine task names its games (made under ``--out``) and trains its longer episodes; an embedded task
     is only given the batch."""
     real = learning.runnable(learning.BENCHMARK_TASKS["real_late"], tmp_path, batch=3)
     assert real.batch == 3 and real.sandbox_config["games_dir"].startswith(str(tmp_path.resolve()))

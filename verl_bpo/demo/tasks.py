@@ -47,8 +47,8 @@ class DemoTask:
     Attributes:
         name: ``late``, ``early``, ``hard_late`` or ``hard_early``.
         sandbox, sandbox_config: the registered sandbox and its ``Config`` keys.
-        train_ids, eval_ids: task ids to train on and the ids evaluation plays, disjoint (the real-engine pair's are
-            its training games: :mod:`verl_bpo.demo.textworld_tasks` says why).
+        train_ids, eval_ids: task ids to train on and the ids evaluation plays, disjoint (the real-engine tasks' are
+            their training games: :mod:`verl_bpo.demo.textworld_tasks` says why).
         max_turns: ``bpo.max_turns``.
         warm_start: keyword arguments of :func:`verl_bpo.demo.warm_start.warm_start`.
         target: the evaluation success that counts as reached (updates-to-target).

@@ -19,7 +19,7 @@
                  **next-to-last**, the move out of the seventh room (two exits, "look" and "inventory" listed): a
                  decision read from the observation (the exit not come in by) whose command differs between games,
                  where ``real_late``'s "take coin" is the same in every game, so that an update's successes need not
-                 point the same way. Its early twin is ``real_early`` (a move as well, the first).
+                 point the same way. Its early twin is ``real_early`` (a move as well, the first; on all 64 games).
 
 Games are generated as part of building the task (:func:`build_games`, deterministic by seed, cached under the
 benchmark's output directory). **Evaluation plays the training games** (``eval_ids`` = ``train_ids``), in sampled
@@ -65,7 +65,7 @@ from verl_bpo.demo.tasks import DemoTask, warm_start_folder
 from verl_bpo.demo.tiny_model import build_tiny_model, default_corpus
 from verl_bpo.demo.warm_start import play_chats, random_policy_chats, warm_start
 
-__all__ = ["CHALLENGE", "GAME_SETTINGS", "QUEST_LENGTH", "N_TRAIN", "MAX_STEPS",
+__all__ = ["CHALLENGE", "GAME_SETTINGS", "DECISIVE_STEPS", "QUEST_LENGTH", "N_TRAIN", "MAX_STEPS",
            "TEXTWORLD_TASKS", "real_late", "real_early", "real_late_exit", "N_EXIT_GAMES", "games_dir", "build_games",
            "with_games", "decisive_step", "demonstrator_action", "demonstration_chats", "textworld_task_model"]
 
@@ -74,6 +74,7 @@ GAME_SETTINGS = {"level": 8}  # a chain of 8 rooms, no dead ends: 7 moves and "t
 QUEST_LENGTH = GAME_SETTINGS["level"]  # the walkthrough's commands: at levels 1-100, the chain's length
 N_TRAIN = 64  # the games: task ids index them in sorted file order
 MAX_STEPS = QUEST_LENGTH  # the turns of an episode: no slack, so one wrong command costs the game
+DECISIVE_STEPS = {"last": -1, "next_to_last": -2, "first": 0}  # the walkthrough's step, from its end when negative
 SEED_CHUNK = 8  # seeds are generated in chunks of this many until enough games are chosen
 VOCAB_SIZE = 1024  # the tokenizer's BPE budget: every word of these games' commands becomes one token
 _SANDBOX_CONFIG = {"max_steps": MAX_STEPS, "show_admissible": True, "strip_banner": True}
@@ -91,11 +92,11 @@ real_late = DemoTask(
 real_early = dataclasses.replace(real_late, name="real_early",
                                  warm_start={**real_late.warm_start, "decisive": "first"})
 # The decision read from the observation and different in every game: which of the seventh room's exits leads on.
-# Fewer games, so that each recurs about three times in 24 updates of two and a game's own decision can be learned
-# from its rollouts. Not calibrated before its control ran (README).
+# Fewer games, so that each recurs three times in 24 updates of two and a game's own decision can be learned from its
+# rollouts. Not calibrated before its control ran (README).
 N_EXIT_GAMES = 16
-real_late_exit = dataclasses.replace(real_late, name="real_late_exit", train_ids=range(0, N_EXIT_GAMES),
-                                     eval_ids=range(0, N_EXIT_GAMES),
+_EXIT_IDS = range(N_EXIT_GAMES)  # evaluation plays the training games, as real_late's does
+real_late_exit = dataclasses.replace(real_late, name="real_late_exit", train_ids=_EXIT_IDS, eval_ids=_EXIT_IDS,
                                      warm_start={**real_late.warm_start, "decisive": "next_to_last"})
 TEXTWORLD_TASKS = {task.name: task for task in (real_late, real_early, real_late_exit)}
 
@@ -154,13 +155,12 @@ def with_games(task: DemoTask, out: str | Path) -> DemoTask:
                                                      "games_dir": str(games_dir(out).resolve())})
 
 
-DECISIVE_STEPS = {"last": -1, "next_to_last": -2, "first": 0}  # the walkthrough's step, from its end when negative
-
-
 def decisive_step(walkthrough_length: int, decisive: str) -> int:
     """The index of the walkthrough step where the demonstrator guesses: one of :data:`DECISIVE_STEPS`."""
     if decisive not in DECISIVE_STEPS:
         raise ValueError(f"decisive must be one of {sorted(DECISIVE_STEPS)}, got {decisive!r}")
+    if walkthrough_length < 2:
+        raise ValueError(f"a walkthrough of {walkthrough_length} commands has no next-to-last step to decide")
     return DECISIVE_STEPS[decisive] % walkthrough_length
 
 
@@ -220,7 +220,8 @@ def _corpus(out: Path) -> list[str]:
 
 def textworld_task_model(out: str | Path, task: DemoTask, seed: int = 0) -> Path:
     """The tiny model warm-started on ``task`` (cached under ``out``; the games are generated first when missing).
-    One tokenizer for both real tasks, trained on this engine's chats (its own directory, ``tiny_textworld``).
+    One tokenizer for every real-engine task, trained on this engine's chats (:func:`_corpus`; its own directory,
+    ``tiny_textworld``).
     ``seed`` draws the demonstrations and the batch order, as for :func:`verl_bpo.demo.tasks.task_model`."""
     out = Path(out)
     build_games(out)
