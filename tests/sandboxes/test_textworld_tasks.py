@@ -1,4 +1,4 @@
-"""The real-engine tasks (``verl_bpo.demo.textworld_tasks``): its demonstrator, its games and its sandbox."""
+"""The real-engine tasks (``verl_bpo.demo.textworld_tasks``): their demonstrator, their games and their sandbox."""
 
 from __future__ import annotations
 
