@@ -64,6 +64,10 @@ def test_demonstrator_noise_and_a_walkthrough_command_no_longer_admissible():
     assert tw.demonstrator_action(1, 0, WALKTHROUGH, ADMISSIBLE, rng, 0, noise=0.0) == WALKTHROUGH[0]
     with pytest.raises(ValueError):
         tw.decisive_step(8, "middle")
+    # a one-command walkthrough has a first and a last step, and no next-to-last one
+    assert tw.decisive_step(1, "last") == tw.decisive_step(1, "first") == 0
+    with pytest.raises(ValueError, match="no next_to_last step"):
+        tw.decisive_step(1, "next_to_last")
 
 
 @pytest.fixture(scope="module")

@@ -159,9 +159,10 @@ def decisive_step(walkthrough_length: int, decisive: str) -> int:
     """The index of the walkthrough step where the demonstrator guesses: one of :data:`DECISIVE_STEPS`."""
     if decisive not in DECISIVE_STEPS:
         raise ValueError(f"decisive must be one of {sorted(DECISIVE_STEPS)}, got {decisive!r}")
-    if walkthrough_length < 2:
-        raise ValueError(f"a walkthrough of {walkthrough_length} commands has no next-to-last step to decide")
-    return DECISIVE_STEPS[decisive] % walkthrough_length
+    step = DECISIVE_STEPS[decisive]
+    if not -walkthrough_length <= step < walkthrough_length:
+        raise ValueError(f"a walkthrough of {walkthrough_length} commands has no {decisive} step to decide")
+    return step % walkthrough_length
 
 
 def demonstrator_action(turn: int, played: int, walkthrough: Sequence[str], admissible: Sequence[str],
